@@ -1,0 +1,316 @@
+// The one torch-facing layer: op schemas, argument checks, CPU implementations of the
+// primitives, and thin CUDA wrappers over the raw-pointer launchers in kernels/.
+// moe_forward / moe_backward get their implementations in the Python shim.
+#include <Python.h>
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/dispatch_layout.cuh"
+#include "kernels/error_record.cuh"
+#include "kernels/row_ops.cuh"
+
+namespace primemoe {
+namespace {
+
+std::string describe_error(const ErrorRecord& rec) {
+  if (rec.code == kBadExpertId) {
+    return "primemoe: topk_idx[" + std::to_string(rec.index0) + ", " + std::to_string(rec.index1) +
+           "] = " + std::to_string(rec.value) + " is not an expert id (expected -1 or a value in [0, " +
+           std::to_string(rec.limit) + ")); that slot was skipped";
+  }
+  if (rec.code == kWaitTimeout) {
+    return "primemoe: rank " + std::to_string(rec.limit) + " timed out waiting for rank " +
+           std::to_string(rec.value) + " (expert/block " + std::to_string(rec.index0) + ")";
+  }
+  return "primemoe: device error code " + std::to_string(rec.code);
+}
+
+// Raised at the start of every CUDA primitive: errors of earlier launches surface
+// at the next primemoe call on that device without a host sync.
+void raise_pending_error(int device) {
+  ErrorRecord rec{};
+  if (take_error(device, &rec)) TORCH_CHECK(false, describe_error(rec));
+}
+
+ErrorRecord* error_record_for(const at::Tensor& t) {
+  ErrorRecord* rec = device_error_record(t.get_device());
+  TORCH_CHECK(rec != nullptr, "primemoe: could not allocate the host-mapped error record");
+  return rec;
+}
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "primemoe: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, name, ": expected a 2-D tensor [rows, H], got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+void check_index(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.dim() == dims, name, ": expected a ", dims, "-D tensor, got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, ": expected int32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+ScaleType scale_type_of(const std::optional<at::Tensor>& s, const char* name) {
+  if (!s.has_value()) return ScaleType::kNone;
+  TORCH_CHECK(s->is_contiguous(), name, ": expected a contiguous tensor");
+  if (s->scalar_type() == at::kFloat) return ScaleType::kFloat32;
+  TORCH_CHECK(s->scalar_type() == at::kBFloat16, name, ": expected float32 or bfloat16, got ", s->scalar_type());
+  return ScaleType::kBFloat16;
+}
+
+void check_layout_args(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
+                       int64_t row_align) {
+  TORCH_CHECK(topk_idx.dim() == 2, "topk_idx: expected a 2-D tensor [T, K], got ", topk_idx.sizes());
+  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+              "topk_idx: expected int64 or int32, got ", topk_idx.scalar_type());
+  TORCH_CHECK(topk_idx.size(1) >= 1, "topk_idx: expected at least one slot per token");
+  TORCH_CHECK(num_local >= 1 && num_local <= kLayoutMaxLocalExperts, "num_local_experts: expected 1..",
+              kLayoutMaxLocalExperts, ", got ", num_local);
+  TORCH_CHECK(expert_begin >= 0 && expert_begin + num_local <= num_experts,
+              "expert_begin: local experts must lie in [0, num_experts)");
+  TORCH_CHECK(row_align >= 1, "row_align: expected >= 1, got ", row_align);
+  TORCH_CHECK(layout_max_rows(topk_idx.numel(), num_local, row_align) < (int64_t(1) << 31),
+              "topk_idx: too many slots for 32-bit row indices");
+}
+
+using LayoutResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+LayoutResult dispatch_layout_cuda(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin,
+                                  int64_t num_local, int64_t row_align) {
+  check_layout_args(topk_idx, num_experts, expert_begin, num_local, row_align);
+  const c10::cuda::CUDAGuard guard(topk_idx.device());
+  raise_pending_error(topk_idx.get_device());
+  const auto opts = topk_idx.options().dtype(at::kInt);
+  const int64_t num_slots = topk_idx.numel();
+  auto counts = at::empty({num_local}, opts);
+  auto offsets = at::empty({num_local + 1}, opts);
+  auto slot_to_row = at::empty(topk_idx.sizes(), opts);
+  auto row_to_slot = at::empty({layout_max_rows(num_slots, num_local, row_align)}, opts);
+  auto workspace = at::empty({std::max<int64_t>(layout_workspace_ints(num_slots, num_local), 1)}, opts);
+  DispatchLayoutArgs a{};
+  a.topk_idx = topk_idx.data_ptr();
+  a.idx_is_int64 = topk_idx.scalar_type() == at::kLong;
+  a.num_slots = num_slots;
+  a.top_k = static_cast<int32_t>(topk_idx.size(1));
+  a.num_experts = static_cast<int32_t>(num_experts);
+  a.expert_begin = static_cast<int32_t>(expert_begin);
+  a.num_local = static_cast<int32_t>(num_local);
+  a.row_align = static_cast<int32_t>(row_align);
+  a.expert_counts = counts.data_ptr<int32_t>();
+  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.slot_to_row = slot_to_row.data_ptr<int32_t>();
+  a.row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.workspace = workspace.data_ptr<int32_t>();
+  a.error = error_record_for(topk_idx);
+  check_cuda(launch_dispatch_layout(a, c10::cuda::getCurrentCUDAStream()), "dispatch_layout");
+  return {counts, offsets, slot_to_row, row_to_slot};
+}
+
+// Same layout on the host; out-of-range ids raise at once (the data is already here).
+LayoutResult dispatch_layout_cpu(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin,
+                                 int64_t num_local, int64_t row_align) {
+  check_layout_args(topk_idx, num_experts, expert_begin, num_local, row_align);
+  const auto ids = topk_idx.to(at::kLong).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t num_slots = ids.numel(), K = ids.size(1);
+  const auto opts = topk_idx.options().dtype(at::kInt);
+  auto counts = at::zeros({num_local}, opts);
+  auto offsets = at::empty({num_local + 1}, opts);
+  auto slot_to_row = at::empty(topk_idx.sizes(), opts);
+  auto row_to_slot = at::full({layout_max_rows(num_slots, num_local, row_align)}, -1, opts);
+  int32_t* c = counts.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_slots; ++s) {
+    TORCH_CHECK(id[s] >= -1 && id[s] < num_experts, "topk_idx[", s / K, ", ", s % K, "] = ", id[s],
+                " is not an expert id (expected -1 or a value in [0, ", num_experts, "))");
+    const int64_t local = id[s] - expert_begin;
+    if (id[s] >= 0 && local >= 0 && local < num_local) ++c[local];
+  }
+  int32_t* o = offsets.data_ptr<int32_t>();
+  std::vector<int32_t> next(num_local);
+  int32_t offset = 0;
+  for (int64_t e = 0; e < num_local; ++e) {
+    o[e] = next[e] = offset;
+    offset += (c[e] + row_align - 1) / row_align * row_align;
+  }
+  o[num_local] = offset;
+  int32_t* s2r = slot_to_row.data_ptr<int32_t>();
+  int32_t* r2s = row_to_slot.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_slots; ++s) {
+    const int64_t local = id[s] - expert_begin;
+    if (id[s] >= 0 && local >= 0 && local < num_local) {
+      s2r[s] = next[local]++;
+      r2s[s2r[s]] = static_cast<int32_t>(s);
+    } else {
+      s2r[s] = -1;
+    }
+  }
+  return {counts, offsets, slot_to_row, row_to_slot};
+}
+
+void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
+                       const std::optional<at::Tensor>& scale) {
+  check_rows(src, "src");
+  check_index(row_to_slot, "row_to_slot", 1);
+  TORCH_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->numel() == src.size(0) * top_k, "scale: expected ", src.size(0) * top_k,
+                " elements (one per slot), got ", scale->numel());
+  }
+}
+
+at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
+                            const std::optional<at::Tensor>& scale) {
+  check_gather_args(src, row_to_slot, top_k, scale);
+  const c10::cuda::CUDAGuard guard(src.device());
+  raise_pending_error(src.get_device());
+  auto dst = at::empty({row_to_slot.size(0), src.size(1)}, src.options());
+  GatherRowsArgs a{};
+  a.src = src.data_ptr();
+  a.row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.scale_type = scale_type_of(scale, "scale");
+  a.scale = scale.has_value() ? scale->data_ptr() : nullptr;
+  a.dst = dst.data_ptr();
+  a.num_rows = row_to_slot.size(0);
+  a.hidden = static_cast<int32_t>(src.size(1));
+  a.top_k = static_cast<int32_t>(top_k);
+  check_cuda(launch_gather_rows(a, c10::cuda::getCurrentCUDAStream()), "gather_rows");
+  return dst;
+}
+
+at::Tensor gather_rows_cpu(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
+                           const std::optional<at::Tensor>& scale) {
+  check_gather_args(src, row_to_slot, top_k, scale);
+  const auto valid = row_to_slot.ge(0);
+  const auto slot = row_to_slot.clamp_min(0).to(at::kLong);
+  auto rows = src.index_select(0, slot.div(top_k, "floor")).to(at::kFloat);
+  if (scale.has_value()) rows = rows * scale->reshape({-1}).to(at::kFloat).index_select(0, slot).unsqueeze(1);
+  return at::where(valid.unsqueeze(1), rows, at::zeros({}, rows.options())).to(src.scalar_type());
+}
+
+void check_combine_args(const at::Tensor& rows, const at::Tensor& slot_to_row, const std::optional<at::Tensor>& w) {
+  check_rows(rows, "rows");
+  check_index(slot_to_row, "slot_to_row", 2);
+  if (w.has_value()) {
+    TORCH_CHECK(w->sizes() == slot_to_row.sizes(), "weights: expected shape ", slot_to_row.sizes(), ", got ",
+                w->sizes());
+  }
+}
+
+at::Tensor combine_reduce_cuda(const at::Tensor& rows, const at::Tensor& slot_to_row,
+                               const std::optional<at::Tensor>& weights) {
+  check_combine_args(rows, slot_to_row, weights);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  raise_pending_error(rows.get_device());
+  auto y = at::empty({slot_to_row.size(0), rows.size(1)}, rows.options());
+  CombineReduceArgs a{};
+  a.rows = rows.data_ptr();
+  a.slot_to_row = slot_to_row.data_ptr<int32_t>();
+  a.weight_type = scale_type_of(weights, "weights");
+  a.weights = weights.has_value() ? weights->data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.num_tokens = slot_to_row.size(0);
+  a.hidden = static_cast<int32_t>(rows.size(1));
+  a.top_k = static_cast<int32_t>(slot_to_row.size(1));
+  check_cuda(launch_combine_reduce(a, c10::cuda::getCurrentCUDAStream()), "combine_reduce");
+  return y;
+}
+
+// Rows of the slots, [T, K, H] in fp32, zero where a slot has no row.
+at::Tensor slot_rows_cpu(const at::Tensor& rows, const at::Tensor& slot_to_row) {
+  const auto valid = slot_to_row.ge(0).unsqueeze(-1);
+  const auto idx = slot_to_row.clamp_min(0).reshape({-1}).to(at::kLong);
+  auto g = rows.index_select(0, idx).to(at::kFloat).view({slot_to_row.size(0), slot_to_row.size(1), rows.size(1)});
+  return at::where(valid, g, at::zeros({}, g.options()));
+}
+
+at::Tensor combine_reduce_cpu(const at::Tensor& rows, const at::Tensor& slot_to_row,
+                              const std::optional<at::Tensor>& weights) {
+  check_combine_args(rows, slot_to_row, weights);
+  auto g = slot_rows_cpu(rows, slot_to_row);
+  if (weights.has_value()) g = g * weights->to(at::kFloat).unsqueeze(-1);
+  return g.sum(1).to(rows.scalar_type());
+}
+
+void check_slot_dot_args(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
+  check_rows(a, "a");
+  check_rows(b, "b");
+  check_index(slot_to_row, "slot_to_row", 2);
+  TORCH_CHECK(a.sizes() == b.sizes(), "b: expected the shape of a, ", a.sizes(), ", got ", b.sizes());
+}
+
+at::Tensor slot_dot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
+  check_slot_dot_args(a, b, slot_to_row);
+  const c10::cuda::CUDAGuard guard(a.device());
+  raise_pending_error(a.get_device());
+  auto out = at::empty(slot_to_row.sizes(), a.options().dtype(at::kFloat));
+  SlotDotArgs args{};
+  args.a = a.data_ptr();
+  args.b = b.data_ptr();
+  args.slot_to_row = slot_to_row.data_ptr<int32_t>();
+  args.out = out.data_ptr<float>();
+  args.num_slots = slot_to_row.numel();
+  args.width = static_cast<int32_t>(a.size(1));
+  check_cuda(launch_slot_dot(args, c10::cuda::getCurrentCUDAStream()), "slot_dot");
+  return out;
+}
+
+at::Tensor slot_dot_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
+  check_slot_dot_args(a, b, slot_to_row);
+  return (slot_rows_cpu(a, slot_to_row) * slot_rows_cpu(b, slot_to_row)).sum(-1);
+}
+
+std::vector<int64_t> take_error_op(int64_t device) {
+  ErrorRecord rec{};
+  if (!take_error(static_cast<int>(device), &rec)) return {};
+  return {rec.code, rec.value, rec.limit, rec.index0, rec.index1};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(primemoe, m) {
+  m.def(
+      "moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, str precision=\"bf16\", "
+      "bool keep_fc1=True) -> (Tensor y, Tensor fc1_out)");
+  m.def(
+      "moe_backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, "
+      "Tensor? fc1_out, str precision=\"bf16\") -> (Tensor dx, Tensor d_topk_weights, Tensor dw1, Tensor dw2)");
+  m.def(
+      "dispatch_layout(Tensor topk_idx, int num_experts, int expert_begin, int num_local_experts, int row_align) "
+      "-> (Tensor expert_counts, Tensor expert_offsets, Tensor slot_to_row, Tensor row_to_slot)");
+  m.def("gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale) -> Tensor");
+  m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
+  m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
+  m.def("take_error(int device) -> int[]", &take_error_op);
+}
+
+TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
+  m.impl("dispatch_layout", &dispatch_layout_cuda);
+  m.impl("gather_rows", &gather_rows_cuda);
+  m.impl("combine_reduce", &combine_reduce_cuda);
+  m.impl("slot_dot", &slot_dot_cuda);
+}
+
+TORCH_LIBRARY_IMPL(primemoe, CPU, m) {
+  m.impl("dispatch_layout", &dispatch_layout_cpu);
+  m.impl("gather_rows", &gather_rows_cpu);
+  m.impl("combine_reduce", &combine_reduce_cpu);
+  m.impl("slot_dot", &slot_dot_cpu);
+}
+
+}  // namespace primemoe
+
+// Importing primemoe._C loads this library, whose static initialisers register the ops.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,52 @@
+// Routing layout on the GPU: per-expert counts, tile-padded offsets and the two
+// maps between token slots (t*K + k) and expert-major rows. No host read of the
+// counts, so the step stays capturable in a CUDA graph. Rows of one expert keep
+// slot order (stable), which makes every later reduction deterministic.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "error_record.cuh"
+
+namespace primemoe {
+
+struct DispatchLayoutArgs {
+  const void* topk_idx;     // [num_slots] int32 or int64 global expert ids, -1 = skipped
+  bool idx_is_int64;
+  int64_t num_slots;        // T * K
+  int32_t top_k;
+  int32_t num_experts;      // E (global); ids outside [-1, E) are reported and skipped
+  int32_t expert_begin;     // first local expert's global id
+  int32_t num_local;        // local experts handled by this layout
+  int32_t row_align;        // each expert's row range starts at a multiple of this
+  int32_t* expert_counts;   // [num_local] routed rows per local expert
+  int32_t* expert_offsets;  // [num_local + 1] padded row starts; last = padded total
+  int32_t* slot_to_row;     // [num_slots] row of each slot, -1 when not routed here
+  int32_t* row_to_slot;     // [max_rows(num_slots)] slot of each row, -1 for padding
+  int32_t* workspace;       // [workspace_ints()]
+  ErrorRecord* error;
+};
+
+constexpr int kLayoutThreads = 256;
+constexpr int kLayoutWarps = kLayoutThreads / 32;
+constexpr int kLayoutSlotsPerBlock = 4096;
+constexpr int kLayoutMaxLocalExperts = 1024;
+
+inline int64_t layout_blocks(int64_t num_slots) {
+  return (num_slots + kLayoutSlotsPerBlock - 1) / kLayoutSlotsPerBlock;
+}
+
+// Worst case rows: every slot routed here plus a partial tile per expert.
+inline int64_t layout_max_rows(int64_t num_slots, int32_t num_local, int32_t row_align) {
+  return num_slots + int64_t(num_local) * (row_align - 1);
+}
+
+inline int64_t layout_workspace_ints(int64_t num_slots, int32_t num_local) {
+  return layout_blocks(num_slots) * num_local;
+}
+
+cudaError_t launch_dispatch_layout(const DispatchLayoutArgs& args, cudaStream_t stream);
+
+}  // namespace primemoe

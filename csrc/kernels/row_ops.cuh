@@ -1,0 +1,52 @@
+// Row movement between token order and the expert-major layout of dispatch_layout:
+// the permute into the expert GEMMs, the weighted combine back (fixed k order,
+// fp32 accumulation: bitwise deterministic) and the routing-weight gradient.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace primemoe {
+
+enum class ScaleType : int32_t { kNone = 0, kFloat32 = 1, kBFloat16 = 2 };
+
+// dst[r] = src[row_to_slot[r] / K] * scale[row_to_slot[r]]; rows with slot -1 become 0.
+struct GatherRowsArgs {
+  const void* src;  // [T, H] bf16
+  const int32_t* row_to_slot;
+  const void* scale;  // [T*K] per-slot factor or null
+  ScaleType scale_type;
+  void* dst;  // [num_rows, H] bf16
+  int64_t num_rows;
+  int32_t hidden;
+  int32_t top_k;
+};
+
+// y[t] = sum_k weight[t,k] * rows[slot_to_row[t*K+k]] over slots with a row.
+struct CombineReduceArgs {
+  const void* rows;  // [R, H] bf16
+  const int32_t* slot_to_row;
+  const void* weights;  // [T*K] or null for weight 1
+  ScaleType weight_type;
+  void* y;  // [T, H] bf16
+  int64_t num_tokens;
+  int32_t hidden;
+  int32_t top_k;
+};
+
+// out[s] = <a[slot_to_row[s]], b[slot_to_row[s]]> in fp32, 0 for slots without a row.
+struct SlotDotArgs {
+  const void* a;  // [R, D] bf16
+  const void* b;  // [R, D] bf16
+  const int32_t* slot_to_row;
+  float* out;  // [T*K]
+  int64_t num_slots;
+  int32_t width;
+};
+
+cudaError_t launch_gather_rows(const GatherRowsArgs& args, cudaStream_t stream);
+cudaError_t launch_combine_reduce(const CombineReduceArgs& args, cudaStream_t stream);
+cudaError_t launch_slot_dot(const SlotDotArgs& args, cudaStream_t stream);
+
+}  // namespace primemoe

@@ -1,0 +1,66 @@
+"""primemoe: a fused, overlapped Mixture-of-Experts layer for training.
+
+    y = primemoe.moe(x, topk_idx, topk_weights, w1, w2)            # differentiable
+    topk_idx, topk_weights = primemoe.route(logits, top_k)
+
+See DESIGN.md section 1 for the exact computation and README.md for usage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops  # noqa: F401  (registers the torch.ops.primemoe kernels)
+from . import baseline, reference
+from ._validate import check_moe_inputs, debug_enabled
+from .routing import route
+
+__all__ = ["moe", "route", "check_errors", "DeviceError", "reference", "baseline", "nn"]
+
+
+class DeviceError(RuntimeError):
+    """An error a primemoe kernel recorded on the GPU (e.g. an out-of-range expert id)."""
+
+
+def moe(x, topk_idx, topk_weights, w1, w2, *, buffer=None, precision="bf16", keep_fc1=True):
+    """Expert part of an MoE layer (DESIGN.md section 1), differentiable w.r.t.
+    ``x``, ``topk_weights``, ``w1`` and ``w2``.
+
+    x [T, H] bf16; topk_idx [T, K] int64/int32 (-1 = skip); topk_weights [T, K] fp32/bf16;
+    w1 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Returns y [T, H].
+    ``keep_fc1``: keep the FC1 pre-activations for backward (memory) instead of
+    recomputing FC1 there (compute). ``buffer=None``: all experts on this GPU.
+    """
+    if buffer is not None:
+        raise NotImplementedError(
+            "buffer: expert parallelism over NVSHMEM is not in this build yet; "
+            "use primemoe.baseline.moe(..., group=process_group) for EP today")
+    check_moe_inputs(x, topk_idx, topk_weights, w1, w2, precision=precision)
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2))
+    y, _ = torch.ops.primemoe.moe_forward(x, topk_idx, topk_weights, w1, w2, precision, keep_fc1 and wants_grad)
+    return y
+
+
+def check_errors(device=None) -> None:
+    """Raise (and clear) the first error the kernels recorded on ``device`` since
+    the last check. Synchronises that device so every launched kernel is counted."""
+    if not torch.cuda.is_available():
+        return
+    index = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    torch.cuda.synchronize(index)
+    record = torch.ops.primemoe.take_error(index.index if index.index is not None else torch.cuda.current_device())
+    if record:
+        raise DeviceError(_describe(record))
+
+
+def _describe(record) -> str:
+    code, value, limit, index0, index1 = record
+    if code == 1:
+        return (f"primemoe: topk_idx[{index0}, {index1}] = {value} is not an expert id "
+                f"(expected -1 or a value in [0, {limit})); that slot was skipped")
+    if code == 2:
+        return f"primemoe: rank {limit} timed out waiting for rank {value} (expert/block {index0})"
+    return f"primemoe: device error code {code}"
+
+
+from . import nn  # noqa: E402,F401  (nn.MoE calls moe)
