@@ -8,12 +8,19 @@ See DESIGN.md section 1 for the exact computation and README.md for usage.
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
 import torch
 
 from . import ops  # noqa: F401  (registers the torch.ops.primemoe kernels)
 from . import baseline, reference
 from ._validate import check_moe_inputs, debug_enabled
 from .routing import route
+
+try:
+    __version__ = _metadata.version("primemoe")
+except _metadata.PackageNotFoundError:  # running from a source tree
+    __version__ = "0.1.0+source"
 
 __all__ = ["moe", "route", "check_errors", "DeviceError", "reference", "baseline", "nn"]
 

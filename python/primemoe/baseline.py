@@ -41,31 +41,33 @@ class Context:
     recv_splits: Optional[List[int]] = None
 
 
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
+def swiglu(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def _swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    gate, up = h.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    d_gate = da.float() * up * sig * (1 + gate * (1 - sig))
-    d_up = da.float() * silu
-    return torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """d/dh of silu(gate) * up, written straight into the two halves of dh (bf16,
+    the same kernels autograd would run)."""
+    gate, up = h.chunk(2, dim=-1)
+    dh = torch.empty_like(h)
+    d_gate, d_up = dh.chunk(2, dim=-1)
+    torch.mul(da, F.silu(gate), out=d_up)
+    d_gate.copy_(torch.ops.aten.silu_backward(da * up, gate))
+    return dh
 
 
 def _expert_mlp(xs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor):
     h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-    o = torch._grouped_mm(_swiglu(h), w2.transpose(1, 2), offs=ends)
+    o = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
     return h, o
 
 
 def _expert_mlp_backward(xs, h, do, w1, w2, ends):
     """Row and weight gradients of the grouped expert MLP. Rows past ``ends[-1]`` are garbage."""
-    a = _swiglu(h)
+    a = swiglu(h)
     da = torch._grouped_mm(do, w2, offs=ends)
-    dh = _swiglu_backward(h, da)
+    dh = swiglu_backward(h, da)
     dxs = torch._grouped_mm(dh, w1, offs=ends)
     dw2 = torch._grouped_mm(do.t(), a, offs=ends)
     dw1 = torch._grouped_mm(dh.t(), xs, offs=ends)

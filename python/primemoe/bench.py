@@ -188,14 +188,9 @@ def make_inputs(shape: str, tokens: int, rank: int, world: int, device, seed: in
 
     local = experts // world
     topk_idx, topk_weights = route(randn(tokens, experts, dtype=torch.float32), top_k)
-    return Inputs(
-        x=randn(tokens, hidden),
-        topk_idx=topk_idx,
-        topk_weights=topk_weights,
-        w1=randn(local, 2 * inter, hidden).mul_(hidden ** -0.5),
-        w2=randn(local, hidden, inter).mul_(inter ** -0.5),
-        dy=randn(tokens, hidden),
-    )
+    w1 = randn(local, 2 * inter, hidden).mul_(hidden ** -0.5)
+    w2 = randn(local, hidden, inter).mul_(inter ** -0.5)
+    return Inputs(randn(tokens, hidden), topk_idx, topk_weights, w1, w2, dy=randn(tokens, hidden))
 
 
 # ---------------------------------------------------------------- timing
@@ -246,12 +241,11 @@ def _run_one(case: Case, inp: Inputs, args, group, flush_buf) -> dict:
 
 def _result(case: Case, status: str, note: str = "", **fields) -> dict:
     hidden, inter, experts, top_k = SHAPES[case.shape]
-    out = dict(shape=case.shape, hidden=hidden, intermediate=inter, experts=experts, top_k=top_k,
-               tokens=case.tokens, ep=case.ep, precision=case.precision, impl=case.impl,
-               status=status, note=note, fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None,
-               nvlink_gbps=None, routed_rows=None, remote_rows=None)
-    out.update(fields)
-    return out
+    metrics = dict.fromkeys(("fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "nvlink_gbps",
+                             "routed_rows", "remote_rows"))
+    return dict(shape=case.shape, hidden=hidden, intermediate=inter, experts=experts, top_k=top_k,
+                tokens=case.tokens, ep=case.ep, precision=case.precision, impl=case.impl,
+                status=status, note=note, **{**metrics, **fields})
 
 
 def _summarize(case: Case, outcomes: list) -> dict:
@@ -322,10 +316,11 @@ def _worker(rank: int, world: int, port: int, cases: list, args, total: int, res
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, timeout=NCCL_TIMEOUT,
                             device_id=torch.device("cuda", rank))
+
+    def report(case, result):
+        _progress(case, result, total)
+        results.put((case.index, result))
     try:
-        def report(case, result):
-            _progress(case, result, total)
-            results.put(result)
         _run_cases(cases, args, dist.group.WORLD, report)
     finally:
         dist.destroy_process_group()
@@ -335,10 +330,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _key(d) -> tuple:
-    return tuple(getattr(d, k) if isinstance(d, Case) else d[k] for k in ("shape", "tokens", "ep", "precision", "impl"))
 
 
 def _run_ep(cases: list, args, total: int) -> list:
@@ -356,17 +347,16 @@ def _run_ep(cases: list, args, total: int) -> list:
             failure, done = _error_text(exc), True
         while True:  # drain while running: a full pipe would block the workers
             try:
-                r = results.get(timeout=0.1) if done else results.get_nowait()
+                index, result = results.get(timeout=0.1) if done else results.get_nowait()
             except queue.Empty:
                 break
-            got[_key(r)] = r
-    out = []
+            got[index] = result
     for case in cases:
-        if _key(case) not in got:
-            got[_key(case)] = _result(case, "error", f"EP={ep} worker failed: {failure or 'no result'}")
-            _progress(case, got[_key(case)], total)
-        out.append(got[_key(case)])
-    return out
+        if case.index not in got:
+            got[case.index] = (_result(case, "n/a", case.skip) if case.skip else
+                               _result(case, "error", f"EP={ep} worker failed: {failure or 'no result'}"))
+            _progress(case, got[case.index], total)
+    return [got[case.index] for case in cases]
 
 
 # ---------------------------------------------------------------- output
@@ -395,7 +385,7 @@ def format_table(results: list, markdown: bool = False) -> str:
     numeric = [5 <= i < len(COLUMNS) - 1 for i in range(len(COLUMNS))]
     if markdown:
         lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+        return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows])
     widths = [max(len(x) for x in col) for col in zip(heads, *rows)]
 
     def fmt(row):
@@ -477,23 +467,25 @@ def write_outputs(results: list, args) -> None:
 
 # ---------------------------------------------------------------- command line
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+def _int_from(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text}")
+        return value
+    return parse
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m primemoe.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
-    p.add_argument("--tokens", nargs="+", type=_positive, default=[4096, 8192, 16384], help="tokens per rank")
-    p.add_argument("--ep", nargs="+", type=_positive, default=[1, 2], help="expert-parallel sizes (one GPU per rank)")
+    p.add_argument("--tokens", nargs="+", type=_int_from(1), default=[4096, 8192, 16384], help="tokens per rank")
+    p.add_argument("--ep", nargs="+", type=_int_from(1), default=[1, 2], help="expert-parallel sizes (one GPU per rank)")
     p.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"])
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=_positive, default=20, help="timed iterations (median reported)")
-    p.add_argument("--skip-reference-above", type=_positive, metavar="TOKENS",
+    p.add_argument("--warmup", type=_int_from(0), default=5)
+    p.add_argument("--iters", type=_int_from(1), default=20, help="timed iterations (median reported)")
+    p.add_argument("--skip-reference-above", type=_int_from(1), metavar="TOKENS",
                    help="run the reference only up to this many tokens per rank (default: the smallest --tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/out"))
@@ -527,7 +519,8 @@ def main(argv=None) -> int:
         block = list(block)
         if ep > gpus:
             print(f"skip EP={ep}: needs {ep} GPUs, {gpus} visible", flush=True)
-            results += [_result(c, "skipped", f"needs {ep} GPUs, {gpus} visible") for c in block]
+            results += [_result(c, "n/a", c.skip) if c.skip else _result(c, "skipped", f"needs {ep} GPUs, {gpus} visible")
+                        for c in block]
         elif ep == 1:
             def report(case, result):
                 _progress(case, result, len(cases))

@@ -17,10 +17,10 @@ order, each expert's slots in slot order, rows past the routed total unused.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from . import reference
+from .baseline import swiglu, swiglu_backward
 from ._validate import check_precision
 
 lib = torch.ops.primemoe
@@ -96,28 +96,10 @@ def _moe_forward_cpu(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_f
 @torch.library.impl("primemoe::moe_backward", "cpu")
 def _moe_backward_cpu(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
     check_precision(precision)
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (x, topk_weights, w1, w2)]
-        y = reference.moe(leaves[0], topk_idx, leaves[1], leaves[2], leaves[3])
-        dx, dtw, dw1, dw2 = torch.autograd.grad(y, leaves, dy, allow_unused=True)
-    zeros = lambda g, t: torch.zeros_like(t) if g is None else g  # noqa: E731
-    return (zeros(dx, x), zeros(dtw, topk_weights).float(), zeros(dw1, w1), zeros(dw2, w2))
+    return reference.moe_backward(dy, x, topk_idx, topk_weights, w1, w2)
 
 
 # ---------------------------------------------------------------- CUDA
-
-
-def _swiglu(h):
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _swiglu_backward(h, da):
-    gate, up = h.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    d_gate = da.float() * up * sig * (1 + gate * (1 - sig))
-    d_up = da.float() * gate * sig
-    return torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
 
 
 def _zero_empty_experts(dw, counts):
@@ -137,7 +119,7 @@ def _moe_forward_cuda(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_
     ends = offsets[1:]
     xs = lib.gather_rows(x, row_to_slot, K, None)
     h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-    o = torch._grouped_mm(_swiglu(h), w2.transpose(1, 2), offs=ends)
+    o = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
     y = lib.combine_reduce(o, slot_to_row, topk_weights)
     return y, (h if keep_fc1 else h.new_empty(0, two_i))
 
@@ -155,14 +137,14 @@ def _moe_backward_cuda(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision
     ends = offsets[1:]
     xs = lib.gather_rows(x, row_to_slot, K, None)
     h = fc1_out if fc1_out is not None and fc1_out.numel() else torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-    a = _swiglu(h)
+    a = swiglu(h)
     dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None)
     # dtw[t,k] = <dy[t], w2 a> = <dy[t] w2, a>: the unweighted FC2 dgrad gives it without keeping FC2's output.
     da_unweighted = torch._grouped_mm(dy_rows, w2, offs=ends)
     d_topk_weights = lib.slot_dot(da_unweighted, a, slot_to_row)
     row_weight = topk_weights.reshape(-1).float()[row_to_slot.clamp(min=0).long()]
     row_weight = torch.where(row_to_slot >= 0, row_weight, 0.0).unsqueeze(1)
-    dh = _swiglu_backward(h, da_unweighted.float() * row_weight)
+    dh = swiglu_backward(h, (da_unweighted * row_weight).to(h.dtype))
     dw2 = torch._grouped_mm(dy_rows.t(), (a.float() * row_weight).to(a.dtype), offs=ends)
     dxs = torch._grouped_mm(dh, w1, offs=ends)
     dw1 = torch._grouped_mm(dh.t(), xs, offs=ends)

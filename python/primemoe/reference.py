@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["moe", "compute_dtype"]
+__all__ = ["moe", "moe_backward", "compute_dtype"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,14 +44,55 @@ def moe(
 
     y = torch.zeros(T, H, dtype=acc, device=x.device)
     xa = x.to(acc)
+    # unbind once: indexing w1[e] per expert would make autograd build a full-size
+    # gradient per expert.
+    w1s, w2s = w1.unbind(0), w2.unbind(0)
     for e in range(E):
         slots = (flat_idx == e).nonzero(as_tuple=True)[0]
         if slots.numel() == 0:
             continue
         tokens = token_of_slot[slots]
         xe = xa.index_select(0, tokens)
-        h = xe @ w1[e].to(acc).t()
+        h = xe @ w1s[e].to(acc).t()
         a = F.silu(h[:, :inter]) * h[:, inter:]
-        o = a @ w2[e].to(acc).t()
+        o = a @ w2s[e].to(acc).t()
         y = y.index_add(0, tokens, o * flat_w[slots].unsqueeze(1))
     return y.to(x.dtype)
+
+
+def moe_backward(dy, x, topk_idx, topk_weights, w1, w2):
+    """Gradients of :func:`moe` written out by hand (no autograd, so it can run inside an
+    op kernel): returns ``(dx, d_topk_weights fp32, dw1, dw2)``."""
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    E, two_i, _ = w1.shape
+    inter = two_i // 2
+    acc = compute_dtype(x.dtype)
+    flat_idx = topk_idx.reshape(-1).long()
+    flat_w = topk_weights.reshape(-1).to(acc)
+    token_of_slot = torch.arange(T * K, device=x.device) // K
+    xa, dya = x.to(acc), dy.to(acc)
+    dx = torch.zeros(T, H, dtype=acc, device=x.device)
+    d_weights = torch.zeros(T * K, dtype=acc, device=x.device)
+    dw1 = torch.zeros(w1.shape, dtype=acc, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=acc, device=x.device)
+    for e in range(E):
+        slots = (flat_idx == e).nonzero(as_tuple=True)[0]
+        if slots.numel() == 0:
+            continue
+        tokens = token_of_slot[slots]
+        xe, dye = xa.index_select(0, tokens), dya.index_select(0, tokens)
+        w1e, w2e = w1[e].to(acc), w2[e].to(acc)
+        h = xe @ w1e.t()
+        gate, up = h[:, :inter], h[:, inter:]
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        a = silu * up
+        d_weights[slots] = ((a @ w2e.t()) * dye).sum(1)
+        do = dye * flat_w[slots].unsqueeze(1)
+        dw2[e] = do.t() @ a
+        da = do @ w2e
+        dh = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * silu], dim=1)
+        dw1[e] = dh.t() @ xe
+        dx.index_add_(0, tokens, dh @ w1e)
+    return dx.to(x.dtype), d_weights.view(T, K).float(), dw1.to(w1.dtype), dw2.to(w2.dtype)

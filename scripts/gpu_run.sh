@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call: build primemoe on the GPU machine (no network there: the
+# nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
+# the benchmark. Logs and results land in $OUT (default ./gpu-out).
+#   scripts/gpu_run.sh [tests|main|bench|sanitize|sass ...]   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+STEPS=${*:-tests main bench}
+PY=python3
+
+nvidia-smi -L | tee "$OUT/gpus.txt"
+$PY -m pip install -q --no-index --no-deps --target /tmp/cutlass-site .whl/nvidia_cutlass-*.whl || exit 1
+export PYTHONPATH=/tmp/cutlass-site
+start=$(date +%s)
+PRIMEMOE_BUILD_JOBS=$(nproc) $PY -m pip wheel -q --no-build-isolation --no-deps --no-index -w "$OUT/wheel" . \
+  > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+$PY -m pip install -q --no-index --no-deps --force-reinstall "$OUT"/wheel/primemoe-*.whl >> "$OUT/build.log" 2>&1 || exit 1
+echo "build+install: $(( $(date +%s) - start )) s; wheel: $(ls "$OUT/wheel")"
+export PYTHONPATH=
+SO=$($PY -c "import primemoe._C as c; print(c.__file__)")
+
+for step in $STEPS; do
+  echo "=== $step"
+  case $step in
+    tests) $PY -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
+    main) $PY -m primemoe 2>&1 | tee "$OUT/main.log" ;;
+    bench) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 2 \
+             --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py > "$OUT/sanitize-$tool.log" 2>&1
+        echo "$tool rc=$? $(tail -1 "$OUT/sanitize-$tool.log")"
+      done ;;
+    sass)
+      cuobjdump --dump-resource-usage "$SO" > "$OUT/resource-usage.txt" 2>&1
+      cuobjdump --dump-sass "$SO" > "$OUT/sass.txt" 2>&1
+      grep -c "LDL\|STL" "$OUT/sass.txt" | sed 's/^/local-memory instructions: /'
+      grep -E "Function|REG|STACK" "$OUT/resource-usage.txt" | head -40 ;;
+  esac
+done

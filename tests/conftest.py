@@ -1,0 +1,24 @@
+"""Markers ``gpu`` / ``multigpu``: skipped automatically without enough CUDA devices."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# tests/gpu/* import helpers.py and naive.py from here, whatever pytest's import mode.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "multigpu: needs two or more CUDA GPUs (skipped otherwise)")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {gpus}"))
+        elif "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

@@ -1,0 +1,35 @@
+"""primemoe.baseline.moe with expert parallelism over 2 GPUs (NCCL) against the
+single-process fp64 reference of the concatenated problem."""
+
+import pytest
+
+from ep_harness import free_port, run_ep_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+SHAPE = (256, 128, 8, 2)  # H, I, E (E_local = 4 per rank), K
+
+CASES = {
+    "different_T": dict(tokens_per_rank=(300, 17), routing="uniform"),
+    "different_T_masked": dict(tokens_per_rank=(300, 17), routing="masked"),
+    "skewed": dict(tokens_per_rank=(1024, 333), routing="skewed"),
+    "rank0_without_tokens": dict(tokens_per_rank=(0, 64), routing="uniform"),
+    "rank1_without_tokens": dict(tokens_per_rank=(64, 0), routing="uniform"),
+    "one_expert": dict(tokens_per_rank=(200, 50), routing="one_expert"),
+    "empty_experts": dict(tokens_per_rank=(100, 100), routing="empty_experts"),
+}
+
+
+@pytest.fixture
+def ep_env(monkeypatch):
+    # Inherited by the spawned ranks. NVLink multicast must stay off on the test machine.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "1")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_baseline_expert_parallel_nccl(tmp_path, ep_env, case):
+    run_ep_case(tmp_path, "nccl", shape=SHAPE, seed=13, device="cuda:0", **CASES[case])

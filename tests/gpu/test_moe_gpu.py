@@ -1,0 +1,225 @@
+"""primemoe.moe (CUDA op path) and primemoe.baseline.moe against the fp64 reference on the GPU
+(DESIGN.md section 6): awkward sizes, skewed and masked routing, the reference shapes,
+bitwise repeatability, poisoned memory, CUDA-graph replay and torch.compile."""
+
+import functools
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from helpers import (DTW_ATOL, OUTPUT_NAMES, REFERENCE_SHAPES, ExpertLayer, assert_close_to_reference,
+                     assert_contract_zeros, assert_error_within, assert_moe_outputs_match, assert_outputs_equal,
+                     make_problem, reference64, run_module, run_moe)
+from naive import composite
+
+import primemoe
+
+pytestmark = pytest.mark.gpu
+
+SMALL = (256, 128, 8, 2)  # H, I, E, K
+IMPLS = {
+    "primemoe": primemoe.moe,
+    "primemoe_recompute_fc1": functools.partial(primemoe.moe, keep_fc1=False),
+    "baseline": primemoe.baseline.moe,
+}
+GPU_ROUTINGS = ("uniform", "skewed", "masked", "one_expert", "empty_experts", "all_skipped")
+
+
+def small_problem(tokens, routing="uniform", seed=0, **kwargs):
+    return make_problem(tokens, *SMALL, routing=routing, seed=seed, device="cuda", **kwargs)
+
+
+def check_against_reference(fn, problem):
+    assert_moe_outputs_match(run_moe(fn, problem), reference64(problem), composite(problem), problem)
+
+
+@pytest.mark.parametrize("routing", GPU_ROUTINGS)
+@pytest.mark.parametrize("tokens", [0, 1, 17, 4095])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_small_shape_matches_reference(impl, tokens, routing):
+    check_against_reference(IMPLS[impl], small_problem(tokens, routing, seed=tokens))
+
+
+@pytest.mark.parametrize("tokens", [17, 4095])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int32_ids(impl, tokens):
+    check_against_reference(IMPLS[impl], small_problem(tokens, "masked", seed=1, idx_dtype=torch.int32))
+
+
+@pytest.mark.parametrize("tokens", [17, 4095])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_topk_weights(impl, tokens):
+    check_against_reference(IMPLS[impl], small_problem(tokens, "skewed", seed=2, weight_dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- the reference shapes
+
+
+def check_against_reference_by_expert_chunks(out, problem, chunk):
+    """The tolerance rule with the fp64 reference computed ``chunk`` experts at a time:
+    fp64 copies of the big shapes' weights and their gradients do not fit on one GPU.
+    y, dx and d_topk_weights are sums over experts; an expert's dw depends on its own slots only,
+    so the chunked composite dw equals the composite's."""
+    comp = composite(problem)
+    num_experts = problem.w1.shape[0]
+    ref_sum = {name: 0.0 for name in ("y", "dx", "dtw")}
+    squares = {name: [0.0, 0.0, 0.0] for name in ("dw1", "dw2")}  # ||out-ref||^2, ||comp-ref||^2, ||ref||^2
+    for begin in range(0, num_experts, chunk):
+        experts = slice(begin, begin + chunk)
+        ids = problem.topk_idx.long()
+        in_chunk = (ids >= begin) & (ids < begin + chunk)
+        part = reference64(replace(problem, topk_idx=torch.where(in_chunk, ids - begin, -1),
+                                   w1=problem.w1[experts], w2=problem.w2[experts]))
+        for name in ref_sum:
+            ref_sum[name] = ref_sum[name] + getattr(part, name)
+        for name, acc in squares.items():
+            ref = getattr(part, name)
+            acc[0] += torch.linalg.vector_norm(getattr(out, name)[experts].double() - ref).item() ** 2
+            acc[1] += torch.linalg.vector_norm(getattr(comp, name)[experts].double() - ref).item() ** 2
+            acc[2] += torch.linalg.vector_norm(ref).item() ** 2
+        del part
+    for name, ref in ref_sum.items():
+        assert_close_to_reference(name, getattr(out, name), ref, getattr(comp, name),
+                                  atol=DTW_ATOL if name == "dtw" else 0.0)
+    for name, (out_sq, comp_sq, ref_sq) in squares.items():
+        assert_error_within(name, math.sqrt(out_sq), math.sqrt(comp_sq), math.sqrt(ref_sq), getattr(out, name).numel())
+    assert_contract_zeros(out, problem.topk_idx, num_experts)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("shape", REFERENCE_SHAPES)
+@pytest.mark.parametrize("impl", ["primemoe", "baseline"])
+def test_reference_shape_matches_reference(impl, shape, routing):
+    # DeepSeek-V3's bf16 weights alone are 22.5 GB; T=128 keeps its reference quick.
+    tokens = 128 if shape == "deepseek-v3" else 256
+    problem = make_problem(tokens, *REFERENCE_SHAPES[shape], routing=routing, seed=3, device="cuda")
+    out = run_moe(IMPLS[impl], problem)
+    check_against_reference_by_expert_chunks(out, problem, chunk=16)
+
+
+# ---------------------------------------------------------------- determinism and overwrite
+
+
+@pytest.mark.parametrize("case", [(4095, "uniform", SMALL), (4095, "skewed", SMALL), (4095, "masked", SMALL),
+                                  (256, "uniform", REFERENCE_SHAPES["qwen3-30b-a3b"])],
+                         ids=["small-uniform", "small-skewed", "small-masked", "qwen3-30b-a3b"])
+def test_bitwise_repeatable(case):
+    tokens, routing, shape = case
+    problem = make_problem(tokens, *shape, routing=routing, seed=4, device="cuda")
+    first = run_moe(primemoe.moe, problem)
+    for _ in range(2):
+        assert_outputs_equal(run_moe(primemoe.moe, problem), first, "a repeated run")
+
+
+def poison_caching_allocator(big_bytes=8 << 30, small_bytes=64 << 10, small_count=2048):
+    """Fill cached blocks of both allocator pools with NaN and free them (kept in the cache),
+    so any output element a kernel forgets to write reads back as NaN."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    nan = float("nan")
+    blocks = [torch.full((big_bytes // 2,), nan, dtype=torch.bfloat16, device="cuda")]
+    blocks += [torch.full((small_bytes // 2,), nan, dtype=torch.bfloat16, device="cuda") for _ in range(small_count)]
+    torch.cuda.synchronize()
+    del blocks
+
+
+@pytest.mark.parametrize("routing", ["masked", "skewed", "empty_experts"])
+@pytest.mark.parametrize("impl", ["primemoe", "primemoe_recompute_fc1", "baseline"])
+def test_poisoned_memory_is_fully_overwritten(impl, routing):
+    problem = small_problem(4095, routing, seed=5)
+    clean = run_moe(IMPLS[impl], problem)
+    poison_caching_allocator()
+    poisoned = run_moe(IMPLS[impl], problem)
+    for name in OUTPUT_NAMES:
+        assert not getattr(poisoned, name).isnan().any(), f"{name}: NaN from poisoned memory"
+    assert_outputs_equal(poisoned, clean, "a run on poisoned memory")
+
+
+# ---------------------------------------------------------------- CUDA graphs and torch.compile
+
+
+def test_cuda_graph_replay_matches_eager():
+    first = small_problem(1000, "uniform", seed=6)
+    leaves = [t.detach().clone().requires_grad_() for t in (first.x, first.topk_weights, first.w1, first.w2)]
+    static_x, static_tw, static_w1, static_w2 = leaves
+    static_idx, static_dy = first.topk_idx.clone(), first.dy.clone()
+
+    def step():
+        y = primemoe.moe(static_x, static_idx, static_tw, static_w1, static_w2)
+        return (y, *torch.autograd.grad(y, leaves, static_dy))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    # New values and new routings replayed through the same graph: nothing may be baked in.
+    for seed, routing in [(7, "uniform"), (8, "skewed"), (9, "masked"), (10, "one_expert")]:
+        problem = small_problem(1000, routing, seed=seed)
+        with torch.no_grad():
+            for static, new in zip((static_x, static_tw, static_w1, static_w2, static_idx, static_dy),
+                                   (problem.x, problem.topk_weights, problem.w1, problem.w2, problem.topk_idx, problem.dy)):
+                static.copy_(new)
+        graph.replay()
+        eager = run_moe(primemoe.moe, problem)
+        for name, replayed in zip(OUTPUT_NAMES, static_out):
+            assert torch.equal(replayed, getattr(eager, name)), f"{name}: graph replay ({routing}) != eager"
+
+
+@pytest.mark.parametrize("tokens", [17, 4095])
+def test_torch_compile_matches_eager(tokens):
+    """Default backend (inductor), fullgraph: one graph, same bits as eager."""
+    torch._dynamo.reset()
+    problem = small_problem(tokens, "masked", seed=11)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(ExpertLayer(problem.w1, problem.w2), backend=counter, fullgraph=True)
+    got = run_module(compiled, problem)
+    assert counter.frame_count == 1, "expected exactly one graph (no graph break)"
+    assert_outputs_equal(got, run_module(ExpertLayer(problem.w1, problem.w2), problem), "torch.compile vs eager")
+
+
+# ---------------------------------------------------------------- CUDA-only input checks
+
+
+def test_cuda_rejects_hidden_not_multiple_of_8():
+    p = make_problem(4, 12, 16, 4, 2, device="cuda")
+    with pytest.raises(ValueError, match="x: hidden size H=12"):
+        primemoe.moe(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2)
+
+
+def test_cuda_rejects_intermediate_not_multiple_of_8():
+    p = make_problem(4, 16, 12, 4, 2, device="cuda")
+    with pytest.raises(ValueError, match="w1: intermediate size I=12"):
+        primemoe.moe(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2)
+
+
+def test_cuda_rejects_fp32_activations():
+    p = make_problem(4, 16, 16, 4, 2, device="cuda", dtype=torch.float32)
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16 on CUDA"):
+        primemoe.moe(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2)
+
+
+@pytest.mark.parametrize("name", ["topk_idx", "topk_weights", "w1", "w2"])
+def test_cuda_rejects_argument_on_cpu(name):
+    p = small_problem(8)
+    args = dict(x=p.x, topk_idx=p.topk_idx, topk_weights=p.topk_weights, w1=p.w1, w2=p.w2)
+    args[name] = args[name].cpu()
+    with pytest.raises(ValueError, match=f"{name}: expected device cuda"):
+        primemoe.moe(**args)
+
+
+def test_debug_mode_checks_ids_before_any_kernel(monkeypatch):
+    monkeypatch.setenv("PRIMEMOE_DEBUG", "1")
+    p = small_problem(8)
+    p.topk_idx[6, 1] = 999
+    with pytest.raises(ValueError, match=r"topk_idx\[6, 1\] = 999"):
+        primemoe.moe(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2)
+    primemoe.check_errors()  # nothing ran, so nothing was recorded

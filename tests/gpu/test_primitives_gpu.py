@@ -1,0 +1,166 @@
+"""CUDA primitives against their CPU implementations, and the device-side error record."""
+
+import pytest
+import torch
+
+from helpers import HOT_EXPERTS, OUTPUT_NAMES, make_problem, reference64, run_moe
+
+import primemoe
+
+pytestmark = pytest.mark.gpu
+ops = torch.ops.primemoe
+
+
+def layout_ids(tokens, top_k, num_experts, kind, seed, dtype=torch.int64):
+    """Expert ids on the CPU: "random" (any id in [-1, E), duplicates included), "skewed"
+    (90% of the slots on HOT_EXPERTS experts, the rest random) or "one_expert"."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, num_experts, (tokens, top_k), generator=gen)
+    if kind == "skewed":
+        hot = torch.randint(0, HOT_EXPERTS, ids.shape, generator=gen)
+        ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.9, hot, ids)
+    elif kind == "one_expert":
+        ids = torch.full_like(ids, num_experts // 2)
+    elif kind != "random":
+        raise ValueError(kind)
+    return ids.to(dtype)
+
+
+LAYOUT_NAMES = ("expert_counts", "expert_offsets", "slot_to_row", "row_to_slot")
+LAYOUT_CASES = {
+    # name: (tokens, top_k, num_experts, expert_begin, num_local, kind)
+    "no_tokens": (0, 8, 128, 0, 128, "random"),
+    "one_slot": (1, 1, 8, 0, 8, "random"),
+    "one_block_exactly": (512, 8, 128, 0, 128, "random"),  # 4096 slots
+    "13_blocks": (6250, 8, 128, 0, 128, "random"),  # 50000 slots
+    "13_blocks_skewed": (6250, 8, 128, 0, 128, "skewed"),
+    "13_blocks_one_expert": (6250, 8, 128, 0, 128, "one_expert"),
+    "second_half_local": (6001, 8, 256, 128, 128, "random"),
+    "middle_subset_skewed": (3000, 4, 64, 3, 17, "skewed"),
+    "max_local_experts": (1500, 8, 1024, 0, 1024, "random"),
+}
+
+
+@pytest.mark.parametrize("row_align", [1, 128])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_dispatch_layout_cuda_equals_cpu(case, idx_dtype, row_align):
+    tokens, top_k, num_experts, begin, num_local, kind = LAYOUT_CASES[case]
+    ids = layout_ids(tokens, top_k, num_experts, kind, seed=tokens, dtype=idx_dtype)
+    want = ops.dispatch_layout(ids, num_experts, begin, num_local, row_align)
+    got = ops.dispatch_layout(ids.cuda(), num_experts, begin, num_local, row_align)
+    for name, g, w in zip(LAYOUT_NAMES, got, want):
+        assert g.is_cuda and g.dtype == torch.int32, name
+        assert torch.equal(g.cpu(), w), f"{name}: CUDA != CPU"
+
+
+def rows_problem(tokens, top_k, hidden, seed):
+    """Token rows, routing weights and the CPU layout (row_align 128: padding rows included)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = layout_ids(tokens, top_k, 16, "random", seed)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    weights = torch.rand(tokens, top_k, generator=gen)
+    _, _, slot_to_row, row_to_slot = ops.dispatch_layout(ids, 16, 0, 16, 128)
+    return x, weights, slot_to_row, row_to_slot
+
+
+ROW_SHAPES = [(1, 1, 8), (300, 8, 256), (2000, 2, 7168)]  # tokens, top_k, hidden
+
+
+@pytest.mark.parametrize("scale_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_gather_rows_cuda_equals_cpu(shape, scale_dtype):
+    x, weights, _, row_to_slot = rows_problem(*shape, seed=1)
+    scale = None if scale_dtype is None else weights.to(scale_dtype)
+    want = ops.gather_rows(x, row_to_slot, shape[1], scale)
+    got = ops.gather_rows(x.cuda(), row_to_slot.cuda(), shape[1], None if scale is None else scale.cuda())
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_combine_reduce_cuda_matches_cpu(shape, weight_dtype):
+    tokens, top_k, hidden = shape
+    _, weights, slot_to_row, row_to_slot = rows_problem(*shape, seed=2)
+    rows = torch.randn(row_to_slot.numel(), hidden).bfloat16()
+    weights = None if weight_dtype is None else weights.to(weight_dtype)
+    want = ops.combine_reduce(rows, slot_to_row, weights)
+    got = ops.combine_reduce(rows.cuda(), slot_to_row.cuda(), None if weights is None else weights.cuda())
+    # Both accumulate in fp32 in k order; fma vs multiply-add may move the final bf16 rounding by an ulp.
+    torch.testing.assert_close(got.cpu(), want)
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_slot_dot_cuda_matches_cpu(shape):
+    tokens, top_k, hidden = shape
+    _, _, slot_to_row, row_to_slot = rows_problem(*shape, seed=3)
+    a, b = torch.randn(2, row_to_slot.numel(), hidden).bfloat16()
+    want = ops.slot_dot(a, b, slot_to_row)
+    got = ops.slot_dot(a.cuda(), b.cuda(), slot_to_row.cuda())
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
+    assert torch.all(got.cpu()[slot_to_row < 0] == 0)
+
+
+# ---------------------------------------------------------------- device-side error record
+
+BAD_T, BAD_K = 5, 1
+
+
+def problem_with_bad_id(bad_id=999, idx_dtype=torch.int64):
+    """A small CUDA problem whose slot [BAD_T, BAD_K] holds ``bad_id``; also returns the same ids with -1 there."""
+    problem = make_problem(64, 256, 128, 8, 2, routing="uniform", seed=12, device="cuda", idx_dtype=idx_dtype)
+    skipped = problem.topk_idx.clone()
+    skipped[BAD_T, BAD_K] = -1
+    problem.topk_idx[BAD_T, BAD_K] = bad_id
+    return problem, skipped
+
+
+def bad_id_message(bad_id):
+    return rf"topk_idx\[{BAD_T}, {BAD_K}\] = {bad_id} is not an expert id"
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("bad_id", [999, 8, -5])
+def test_bad_id_is_reported_by_check_errors_and_skipped(bad_id, idx_dtype):
+    problem, skipped = problem_with_bad_id(bad_id, idx_dtype)
+    got = ops.dispatch_layout(problem.topk_idx, 8, 0, 8, 1)  # no host sync, no exception at launch
+    with pytest.raises(primemoe.DeviceError, match=bad_id_message(bad_id)):
+        primemoe.check_errors()
+    primemoe.check_errors()  # reporting cleared the record
+    # The bad slot is laid out exactly like a skipped one: it adds nothing downstream.
+    for name, g, w in zip(LAYOUT_NAMES, got, ops.dispatch_layout(skipped, 8, 0, 8, 1)):
+        assert torch.equal(g, w), name
+
+
+def test_bad_id_in_moe_surfaces_once_and_adds_nothing():
+    problem, skipped = problem_with_bad_id()
+    # The record is read by check_errors() or, if the layout kernel has already finished by then,
+    # by a later primitive launched inside this same moe() call: either way exactly once.
+    try:
+        with torch.no_grad():
+            y = primemoe.moe(problem.x, problem.topk_idx, problem.topk_weights, problem.w1, problem.w2)
+    except RuntimeError as error:
+        assert "999" in str(error) and f"[{BAD_T}, {BAD_K}]" in str(error), str(error)
+        y = None
+    else:
+        with pytest.raises(primemoe.DeviceError, match=bad_id_message(999)):
+            primemoe.check_errors()
+    primemoe.check_errors()
+    if y is not None:
+        clean = problem.with_idx(skipped)
+        assert torch.equal(y, run_moe(primemoe.moe, clean).y), "the bad slot changed y"
+        torch.testing.assert_close(y, reference64(clean).y.to(y.dtype), rtol=2e-2, atol=2e-2)
+
+
+def test_bad_id_raises_at_the_next_primemoe_call():
+    problem, skipped = problem_with_bad_id()
+    ops.dispatch_layout(problem.topk_idx, 8, 0, 8, 1)
+    torch.cuda.synchronize()  # the record is now written
+    good = problem.with_idx(skipped)
+    with pytest.raises(RuntimeError, match=bad_id_message(999)):
+        primemoe.moe(good.x, good.topk_idx, good.topk_weights, good.w1, good.w2)
+    # Reporting cleared it: the process stays usable.
+    out = run_moe(primemoe.moe, good)
+    for name in OUTPUT_NAMES:
+        assert not getattr(out, name).isnan().any(), name
+    primemoe.check_errors()

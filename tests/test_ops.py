@@ -1,0 +1,234 @@
+"""torch.ops.primemoe on CPU: schemas and fake kernels (opcheck), primitive semantics,
+primemoe.moe == reference, and torch.compile(fullgraph=True) through the ops."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils.flop_counter import FlopCounterMode
+
+from helpers import ExpertLayer, OUTPUT_NAMES, make_problem, run_module, run_moe
+
+import primemoe
+
+ops = torch.ops.primemoe
+T, H, I, E, K = 9, 16, 8, 4, 2
+
+
+@pytest.fixture
+def problem():
+    return make_problem(T, H, I, E, K, routing="masked", seed=6)
+
+
+def random_ids(tokens, top_k, num_experts, seed, dtype=torch.int64):
+    """Ids in [-1, E) with skipped slots and duplicates: the layout must handle any of them."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-1, num_experts, (tokens, top_k), generator=gen).to(dtype)
+
+
+# ---------------------------------------------------------------- opcheck
+
+
+@pytest.mark.parametrize("keep_fc1", [True, False])
+def test_opcheck_moe_forward(problem, keep_fc1):
+    p = problem
+    args = (p.x.requires_grad_(), p.topk_idx, p.topk_weights.requires_grad_(), p.w1.requires_grad_(),
+            p.w2.requires_grad_(), "bf16", keep_fc1)
+    torch.library.opcheck(ops.moe_forward, args)
+
+
+@pytest.mark.parametrize("with_fc1", [True, False])
+def test_opcheck_moe_backward(problem, with_fc1):
+    p = problem
+    _, fc1_out = ops.moe_forward(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, "bf16", with_fc1)
+    args = (p.dy, p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, fc1_out if with_fc1 else None, "bf16")
+    torch.library.opcheck(ops.moe_backward, args)
+
+
+@pytest.mark.parametrize("row_align", [1, 128])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_opcheck_dispatch_layout(row_align, idx_dtype):
+    torch.library.opcheck(ops.dispatch_layout, (random_ids(T, K, E, 7, idx_dtype), E, 0, E, row_align))
+
+
+def layout(topk_idx, row_align=1):
+    return ops.dispatch_layout(topk_idx, E, 0, E, row_align)
+
+
+@pytest.mark.parametrize("scale_dtype", [None, torch.float32, torch.bfloat16])
+def test_opcheck_gather_rows(problem, scale_dtype):
+    row_to_slot = layout(problem.topk_idx, row_align=4)[3]
+    scale = None if scale_dtype is None else problem.topk_weights.to(scale_dtype)
+    torch.library.opcheck(ops.gather_rows, (problem.x, row_to_slot, K, scale))
+
+
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
+def test_opcheck_combine_reduce(problem, weight_dtype):
+    slot_to_row = layout(problem.topk_idx)[2]
+    rows = torch.randn(T * K, H).bfloat16()
+    weights = None if weight_dtype is None else problem.topk_weights.to(weight_dtype)
+    torch.library.opcheck(ops.combine_reduce, (rows, slot_to_row, weights))
+
+
+def test_opcheck_slot_dot(problem):
+    slot_to_row = layout(problem.topk_idx)[2]
+    a, b = torch.randn(2, T * K, 2 * I).bfloat16()
+    torch.library.opcheck(ops.slot_dot, (a, b, slot_to_row))
+
+
+# ---------------------------------------------------------------- dispatch_layout semantics
+
+
+def expected_layout(topk_idx, num_experts, expert_begin, num_local, row_align):
+    """Plain-Python layout: counts, padded offsets, rows in slot order per expert, -1 elsewhere."""
+    flat = [int(e) for e in topk_idx.reshape(-1)]
+    slots_of = [[s for s, e in enumerate(flat) if e == expert_begin + j] for j in range(num_local)]
+    counts = [len(s) for s in slots_of]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + -(-c // row_align) * row_align)
+    slot_to_row = [-1] * len(flat)
+    row_to_slot = [-1] * (len(flat) + num_local * (row_align - 1))
+    for j, slots in enumerate(slots_of):
+        for i, s in enumerate(slots):
+            slot_to_row[s] = offsets[j] + i
+            row_to_slot[offsets[j] + i] = s
+    as_int = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return as_int(counts), as_int(offsets), as_int(slot_to_row).view(topk_idx.shape), as_int(row_to_slot)
+
+
+@pytest.mark.parametrize("row_align", [1, 4, 128])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("tokens, top_k, num_experts, expert_begin, num_local", [
+    (37, 3, 8, 0, 8),  # all experts local
+    (37, 3, 8, 4, 4),  # second half: slots of experts 0-3 are not routed here
+    (50, 2, 12, 3, 5),  # a middle range
+    (1, 1, 4, 0, 4),
+    (0, 4, 8, 0, 8),  # no tokens
+])
+def test_dispatch_layout_semantics(tokens, top_k, num_experts, expert_begin, num_local, row_align, idx_dtype):
+    ids = random_ids(tokens, top_k, num_experts, seed=tokens + num_local, dtype=idx_dtype)
+    got = ops.dispatch_layout(ids, num_experts, expert_begin, num_local, row_align)
+    want = expected_layout(ids, num_experts, expert_begin, num_local, row_align)
+    for name, g, w in zip(("expert_counts", "expert_offsets", "slot_to_row", "row_to_slot"), got, want):
+        assert g.dtype == torch.int32, name
+        assert torch.equal(g, w), f"{name}: {g} != {w}"
+    assert bool((got[1] % row_align == 0).all())
+
+
+def test_dispatch_layout_all_slots_to_one_expert():
+    ids = torch.full((20, 4), 2)
+    counts, offsets, slot_to_row, row_to_slot = ops.dispatch_layout(ids, E, 0, E, 1)
+    assert counts.tolist() == [0, 0, 80, 0]
+    assert offsets.tolist() == [0, 0, 0, 80, 80]
+    assert torch.equal(slot_to_row.reshape(-1), torch.arange(80, dtype=torch.int32))
+    assert torch.equal(row_to_slot, torch.arange(80, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad_id", [E, 999, -2])
+def test_dispatch_layout_rejects_bad_id_on_cpu(bad_id):
+    ids = random_ids(T, K, E, seed=8)
+    ids[4, 1] = bad_id
+    with pytest.raises(RuntimeError, match=rf"topk_idx\[4, 1\] = {bad_id} is not an expert id"):
+        ops.dispatch_layout(ids, E, 0, E, 1)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((E, 0, 0, 1), "num_local_experts"),
+    ((E, 2, 3, 1), "expert_begin"),
+    ((E, -1, 2, 1), "expert_begin"),
+    ((E, 0, E, 0), "row_align"),
+])
+def test_dispatch_layout_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.dispatch_layout(random_ids(T, K, E, seed=9), *args)
+
+
+# ---------------------------------------------------------------- row primitives
+
+
+@pytest.mark.parametrize("scale_dtype", [None, torch.float32, torch.bfloat16])
+def test_gather_rows_semantics(problem, scale_dtype):
+    row_to_slot = layout(problem.topk_idx, row_align=4)[3]
+    scale = None if scale_dtype is None else problem.topk_weights.to(scale_dtype)
+    got = ops.gather_rows(problem.x, row_to_slot, K, scale)
+    for r, s in enumerate(row_to_slot.tolist()):
+        if s < 0:
+            want = torch.zeros(H, dtype=torch.bfloat16)
+        else:
+            factor = 1.0 if scale is None else scale.reshape(-1)[s].float()
+            want = (problem.x[s // K].float() * factor).bfloat16()
+        assert torch.equal(got[r], want), f"row {r} (slot {s})"
+
+
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
+def test_combine_reduce_semantics(problem, weight_dtype):
+    slot_to_row = layout(problem.topk_idx)[2]
+    rows = torch.randn(T * K, H).bfloat16()
+    weights = None if weight_dtype is None else problem.topk_weights.to(weight_dtype)
+    got = ops.combine_reduce(rows, slot_to_row, weights)
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for k in range(K):
+            row = int(slot_to_row[t, k])
+            if row >= 0:
+                want[t] += (1.0 if weights is None else weights[t, k].float()) * rows[row].float()
+    torch.testing.assert_close(got, want.bfloat16())
+
+
+def test_slot_dot_semantics(problem):
+    slot_to_row = layout(problem.topk_idx)[2]
+    a, b = torch.randn(2, T * K, 2 * I).bfloat16()
+    got = ops.slot_dot(a, b, slot_to_row)
+    assert got.dtype == torch.float32 and got.shape == (T, K)
+    rows = slot_to_row.long()
+    want = torch.where(rows >= 0, (a.float()[rows.clamp(min=0)] * b.float()[rows.clamp(min=0)]).sum(-1), 0.0)
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- primemoe.moe on CPU
+
+
+def assert_matches_reference_autograd(got, problem):
+    """y is the reference's own forward (bitwise); the hand-written CPU backward agrees with
+    autograd through the reference up to the final rounding."""
+    want = run_moe(primemoe.reference.moe, problem)
+    assert torch.equal(got.y, want.y)
+    for name in OUTPUT_NAMES[1:]:
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("keep_fc1", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("routing", ["masked", "one_expert", "all_skipped"])
+def test_moe_on_cpu_equals_reference(routing, dtype, keep_fc1):
+    problem = make_problem(T, H, I, E, K, routing=routing, seed=10, dtype=dtype)
+    assert_matches_reference_autograd(run_moe(lambda *args: primemoe.moe(*args, keep_fc1=keep_fc1), problem), problem)
+
+
+def test_moe_without_grad_keeps_no_fc1(problem):
+    with torch.no_grad():
+        y = primemoe.moe(problem.x, problem.topk_idx, problem.topk_weights, problem.w1, problem.w2)
+    want = primemoe.reference.moe(problem.x, problem.topk_idx, problem.topk_weights, problem.w1, problem.w2)
+    assert torch.equal(y, want)
+
+
+def test_moe_backward_on_cpu_under_a_dispatch_mode(problem):
+    """Backend kernels run below autograd whenever a TorchDispatchMode (FlopCounterMode,
+    opcheck's schema check, ...) is active: the CPU backward must not rely on recording a graph."""
+    with FlopCounterMode(display=False):
+        got = run_moe(primemoe.moe, problem)
+    assert_matches_reference_autograd(got, problem)
+
+
+def test_torch_compile_fullgraph_aot_eager(problem):
+    """Backend "aot_eager": dynamo + AOTAutograd through the fake kernels and the
+    registered autograd, without inductor codegen (fast on CPU)."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    eager = ExpertLayer(problem.w1, problem.w2)
+    compiled = torch.compile(ExpertLayer(problem.w1, problem.w2), backend=counter, fullgraph=True)
+    got = run_module(compiled, problem)
+    assert counter.frame_count == 1, "expected exactly one graph (no graph break)"
+    want = run_module(eager, problem)
+    for name in OUTPUT_NAMES:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -1,0 +1,73 @@
+"""The built extension loads and registers every op; the version carries a CUDA local label."""
+
+import ast
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+import primemoe
+
+OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine_reduce", "slot_dot", "take_error")
+SETUP_PY = Path(__file__).resolve().parents[1] / "setup.py"
+
+
+def test_extension_loads():
+    from primemoe import _C
+
+    assert Path(_C.__file__).exists()
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_op_is_registered(name):
+    assert hasattr(torch.ops.primemoe, name)
+    assert getattr(torch.ops.primemoe, name).default._schema.name == f"primemoe::{name}"
+
+
+def test_take_error_is_empty_on_a_fresh_device_index():
+    # No kernel ever ran against device 7 in this process: there is no record to report.
+    assert torch.ops.primemoe.take_error(7) == []
+
+
+def test_check_errors_is_quiet_without_errors():
+    primemoe.check_errors()
+
+
+def test_public_api():
+    for name in primemoe.__all__:
+        assert hasattr(primemoe, name), name
+    assert issubclass(primemoe.DeviceError, RuntimeError)
+
+
+def local_version_from_setup_py(archs):
+    """setup.py's local_version(), without running setup()."""
+    tree = ast.parse(SETUP_PY.read_text())
+    keep = [node for node in tree.body
+            if (isinstance(node, ast.FunctionDef) and node.name == "local_version")
+            or (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "VERSION" for t in node.targets))]
+    namespace = {}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(SETUP_PY), "exec"), namespace)
+    return namespace["local_version"](archs)
+
+
+def torch_major_minor():
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="the wheel is built with a CUDA torch")
+def test_setup_py_version_has_cuda_local_label():
+    version = local_version_from_setup_py(["90a", "100a"])
+    assert version.startswith("0.1.0+cu"), version
+    cuda = torch.version.cuda.replace(".", "")
+    for part in (f"+cu{cuda}", f"torch{torch_major_minor()}", "sm90a", "sm100a"):
+        assert part in version, f"{part} missing from {version}"
+
+
+def test_installed_version_has_cuda_local_label():
+    try:
+        version = importlib.metadata.version("primemoe")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("primemoe is not installed (running from the source tree)")
+    assert "+cu" in version and f"torch{torch_major_minor()}" in version, version
+    assert primemoe.__version__ == version
