@@ -9,6 +9,7 @@
 
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/dispatch_layout.cuh"
@@ -17,6 +18,28 @@
 
 namespace primemoe {
 namespace {
+
+// Messages are assembled with std::to_string: streaming an integer into TORCH_CHECK's
+// ostringstream from this library crashed the process on the H200 image (torch 2.11).
+std::string piece(const std::string& s) { return s; }
+std::string piece(const char* s) { return s; }
+std::string piece(at::ScalarType t) { return c10::toString(t); }
+template <typename T>
+  requires std::is_integral_v<T>
+std::string piece(T v) {
+  return std::to_string(v);
+}
+std::string piece(at::IntArrayRef a) {
+  std::string out = "[";
+  for (size_t i = 0; i < a.size(); ++i) out += (i ? ", " : "") + std::to_string(a[i]);
+  return out + "]";
+}
+template <typename... Args>
+std::string message(const Args&... args) {
+  return (std::string() + ... + piece(args));
+}
+
+#define PRIMEMOE_CHECK(cond, ...) TORCH_CHECK(cond, ::primemoe::message(__VA_ARGS__))
 
 std::string describe_error(const ErrorRecord& rec) {
   if (rec.code == kBadExpertId) {
@@ -35,51 +58,51 @@ std::string describe_error(const ErrorRecord& rec) {
 // at the next primemoe call on that device without a host sync.
 void raise_pending_error(int device) {
   ErrorRecord rec{};
-  if (take_error(device, &rec)) TORCH_CHECK(false, describe_error(rec));
+  if (take_error(device, &rec)) PRIMEMOE_CHECK(false, describe_error(rec));
 }
 
 ErrorRecord* error_record_for(const at::Tensor& t) {
   ErrorRecord* rec = device_error_record(t.get_device());
-  TORCH_CHECK(rec != nullptr, "primemoe: could not allocate the host-mapped error record");
+  PRIMEMOE_CHECK(rec != nullptr, "primemoe: could not allocate the host-mapped error record");
   return rec;
 }
 
 void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "primemoe: ", what, " failed: ", cudaGetErrorString(err));
+  PRIMEMOE_CHECK(err == cudaSuccess, "primemoe: ", what, " failed: ", cudaGetErrorString(err));
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2, name, ": expected a 2-D tensor [rows, H], got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+  PRIMEMOE_CHECK(t.dim() == 2, name, ": expected a 2-D tensor [rows, H], got ", t.sizes());
+  PRIMEMOE_CHECK(t.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", t.scalar_type());
+  PRIMEMOE_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
 void check_index(const at::Tensor& t, const char* name, int64_t dims) {
-  TORCH_CHECK(t.dim() == dims, name, ": expected a ", dims, "-D tensor, got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, ": expected int32, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+  PRIMEMOE_CHECK(t.dim() == dims, name, ": expected a ", dims, "-D tensor, got ", t.sizes());
+  PRIMEMOE_CHECK(t.scalar_type() == at::kInt, name, ": expected int32, got ", t.scalar_type());
+  PRIMEMOE_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
 ScaleType scale_type_of(const std::optional<at::Tensor>& s, const char* name) {
   if (!s.has_value()) return ScaleType::kNone;
-  TORCH_CHECK(s->is_contiguous(), name, ": expected a contiguous tensor");
+  PRIMEMOE_CHECK(s->is_contiguous(), name, ": expected a contiguous tensor");
   if (s->scalar_type() == at::kFloat) return ScaleType::kFloat32;
-  TORCH_CHECK(s->scalar_type() == at::kBFloat16, name, ": expected float32 or bfloat16, got ", s->scalar_type());
+  PRIMEMOE_CHECK(s->scalar_type() == at::kBFloat16, name, ": expected float32 or bfloat16, got ", s->scalar_type());
   return ScaleType::kBFloat16;
 }
 
 void check_layout_args(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
                        int64_t row_align) {
-  TORCH_CHECK(topk_idx.dim() == 2, "topk_idx: expected a 2-D tensor [T, K], got ", topk_idx.sizes());
-  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+  PRIMEMOE_CHECK(topk_idx.dim() == 2, "topk_idx: expected a 2-D tensor [T, K], got ", topk_idx.sizes());
+  PRIMEMOE_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
               "topk_idx: expected int64 or int32, got ", topk_idx.scalar_type());
-  TORCH_CHECK(topk_idx.size(1) >= 1, "topk_idx: expected at least one slot per token");
-  TORCH_CHECK(num_local >= 1 && num_local <= kLayoutMaxLocalExperts, "num_local_experts: expected 1..",
+  PRIMEMOE_CHECK(topk_idx.size(1) >= 1, "topk_idx: expected at least one slot per token");
+  PRIMEMOE_CHECK(num_local >= 1 && num_local <= kLayoutMaxLocalExperts, "num_local_experts: expected 1..",
               kLayoutMaxLocalExperts, ", got ", num_local);
-  TORCH_CHECK(expert_begin >= 0 && expert_begin + num_local <= num_experts,
+  PRIMEMOE_CHECK(expert_begin >= 0 && expert_begin + num_local <= num_experts,
               "expert_begin: local experts must lie in [0, num_experts)");
-  TORCH_CHECK(row_align >= 1, "row_align: expected >= 1, got ", row_align);
-  TORCH_CHECK(layout_max_rows(topk_idx.numel(), num_local, row_align) < (int64_t(1) << 31),
+  PRIMEMOE_CHECK(row_align >= 1, "row_align: expected >= 1, got ", row_align);
+  PRIMEMOE_CHECK(layout_max_rows(topk_idx.numel(), num_local, row_align) < (int64_t(1) << 31),
               "topk_idx: too many slots for 32-bit row indices");
 }
 
@@ -130,7 +153,7 @@ LayoutResult dispatch_layout_cpu(const at::Tensor& topk_idx, int64_t num_experts
   auto row_to_slot = at::full({layout_max_rows(num_slots, num_local, row_align)}, -1, opts);
   int32_t* c = counts.data_ptr<int32_t>();
   for (int64_t s = 0; s < num_slots; ++s) {
-    TORCH_CHECK(id[s] >= -1 && id[s] < num_experts, "topk_idx[", s / K, ", ", s % K, "] = ", id[s],
+    PRIMEMOE_CHECK(id[s] >= -1 && id[s] < num_experts, "topk_idx[", s / K, ", ", s % K, "] = ", id[s],
                 " is not an expert id (expected -1 or a value in [0, ", num_experts, "))");
     const int64_t local = id[s] - expert_begin;
     if (id[s] >= 0 && local >= 0 && local < num_local) ++c[local];
@@ -161,9 +184,9 @@ void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int
                        const std::optional<at::Tensor>& scale) {
   check_rows(src, "src");
   check_index(row_to_slot, "row_to_slot", 1);
-  TORCH_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
+  PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
   if (scale.has_value()) {
-    TORCH_CHECK(scale->numel() == src.size(0) * top_k, "scale: expected ", src.size(0) * top_k,
+    PRIMEMOE_CHECK(scale->numel() == src.size(0) * top_k, "scale: expected ", src.size(0) * top_k,
                 " elements (one per slot), got ", scale->numel());
   }
 }
@@ -201,7 +224,7 @@ void check_combine_args(const at::Tensor& rows, const at::Tensor& slot_to_row, c
   check_rows(rows, "rows");
   check_index(slot_to_row, "slot_to_row", 2);
   if (w.has_value()) {
-    TORCH_CHECK(w->sizes() == slot_to_row.sizes(), "weights: expected shape ", slot_to_row.sizes(), ", got ",
+    PRIMEMOE_CHECK(w->sizes() == slot_to_row.sizes(), "weights: expected shape ", slot_to_row.sizes(), ", got ",
                 w->sizes());
   }
 }
@@ -245,7 +268,7 @@ void check_slot_dot_args(const at::Tensor& a, const at::Tensor& b, const at::Ten
   check_rows(a, "a");
   check_rows(b, "b");
   check_index(slot_to_row, "slot_to_row", 2);
-  TORCH_CHECK(a.sizes() == b.sizes(), "b: expected the shape of a, ", a.sizes(), ", got ", b.sizes());
+  PRIMEMOE_CHECK(a.sizes() == b.sizes(), "b: expected the shape of a, ", a.sizes(), ", got ", b.sizes());
 }
 
 at::Tensor slot_dot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {

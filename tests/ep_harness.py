@@ -15,16 +15,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import OUTPUT_NAMES, Outputs, Problem, assert_moe_outputs_match, make_problem, reference64, run_moe
+from helpers import (OUTPUT_NAMES, PRIMEMOE_ROOT, Outputs, Problem, assert_moe_outputs_match, make_problem,
+                     reference64, run_moe)
 from naive import composite
 
 import primemoe
 
 
-def free_port() -> int:
+def prepare_spawn(monkeypatch, **env):
+    """Rendezvous address and ``env`` for the ranks to inherit; they also inherit sys.path,
+    so the primemoe this process imported goes first (another test may have put a source tree there)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    for name, value in dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.syspath_prepend(PRIMEMOE_ROOT)
 
 
 def token_slices(tokens_per_rank):
@@ -62,8 +68,8 @@ def _rank_main(rank, world, backend, problem_path, tokens_per_rank, out_dir):
 
 
 def run_ep_case(tmp_path, backend, tokens_per_rank, shape, routing, seed, device):
-    """Runs the case on ``len(tokens_per_rank)`` ranks and checks it against the fp64 reference on ``device``.
-    MASTER_ADDR/MASTER_PORT (and any NCCL settings) must already be in os.environ."""
+    """Runs the case on ``len(tokens_per_rank)`` ranks (after ``prepare_spawn``) and checks it
+    against the fp64 reference on ``device``."""
     world = len(tokens_per_rank)
     hidden, inter, experts, top_k = shape
     problem = make_problem(sum(tokens_per_rank), hidden, inter, experts, top_k, routing=routing, seed=seed)

@@ -3,13 +3,19 @@ tolerance rule of DESIGN.md section 6."""
 
 from __future__ import annotations
 
-import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import primemoe
+
+# Where this process imported primemoe from: subprocesses and spawned ranks must import the same one.
+PRIMEMOE_ROOT = str(Path(primemoe.__file__).resolve().parents[1])
 
 OUTPUT_NAMES = ("y", "dx", "dtw", "dw1", "dw2")
 ROUTINGS = ("uniform", "skewed", "masked", "one_expert", "empty_experts", "all_skipped")
@@ -118,42 +124,37 @@ def reference64(problem: Problem) -> Outputs:
     return run_moe(primemoe.reference.moe, problem, dtype=torch.float64)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative Frobenius error ||a - b|| / ||b|| (||a - b|| when b is all zeros)."""
-    diff = torch.linalg.vector_norm(a.double() - b.double()).item()
-    ref = torch.linalg.vector_norm(b.double()).item()
-    return diff / ref if ref > 0 else diff
+# Floor of the tolerance rule, relative to ||ref||. d_topk_weights are dot products <dy[t], o[t,k]> that
+# cancel: their rounding error scales with the typical |dtw|, not with each value, so over a few slots
+# (T = 1) the ratio to ||ref|| is heavy-tailed for every bf16 implementation. One bf16 epsilon (2^-7)
+# of the typical magnitude is the absolute-ish floor that absorbs it.
+FLOORS = {"y": 1e-3, "dx": 1e-3, "dtw": 2 ** -7, "dw1": 1e-3, "dw2": 1e-3}
 
 
-def assert_error_within(name, diff_norm, composite_diff_norm, ref_norm, numel, *, floor=1e-3, atol=0.0):
+def assert_error_within(name, diff_norm, composite_diff_norm, ref_norm):
     """The rule of DESIGN.md section 6 on precomputed Frobenius norms:
-    ||out - ref|| <= (2 * rel_err(composite) + floor) * ||ref|| + atol * sqrt(numel)."""
+    ||out - ref|| <= (2 * rel_err(composite) + floor) * ||ref||  (exactly 0 when ref is 0)."""
     composite_rel = composite_diff_norm / ref_norm if ref_norm > 0 else 0.0
-    bound = (2 * composite_rel + floor) * ref_norm + atol * math.sqrt(numel)
+    bound = (2 * composite_rel + FLOORS[name]) * ref_norm
     assert diff_norm <= bound, (
         f"{name}: ||out - ref64|| = {diff_norm:.4e} exceeds the bound {bound:.4e} "
         f"(rel err {diff_norm / max(ref_norm, 1e-300):.3e}, composite rel err {composite_rel:.3e}, "
-        f"floor {floor}, atol {atol})")
+        f"floor {FLOORS[name]:.2e})")
 
 
-def assert_close_to_reference(name, out, ref64, composite, *, floor=1e-3, atol=0.0):
-    """rel_err(out, ref64) <= 2 * rel_err(composite, ref64) + floor (plus ``atol`` per element, RMS)."""
+def assert_close_to_reference(name, out, ref64, composite):
+    """rel_err(out, ref64) <= 2 * rel_err(composite, ref64) + FLOORS[name]."""
     assert out.shape == ref64.shape == composite.shape, f"{name}: shapes {out.shape}, {ref64.shape}, {composite.shape}"
     assert not out.isnan().any(), f"{name}: NaN in the output"
     norm = lambda t: torch.linalg.vector_norm(t.double()).item()  # noqa: E731
     assert_error_within(name, norm(out.double() - ref64.double()), norm(composite.double() - ref64.double()),
-                        norm(ref64), out.numel(), floor=floor, atol=atol)
-
-
-# d_topk_weights are dot products of O(1) rows: a small absolute floor keeps near-zero slots from dominating.
-DTW_ATOL = 1e-3
+                        norm(ref64))
 
 
 def assert_moe_outputs_match(out: Outputs, ref64: Outputs, composite: Outputs, problem: Problem):
     """Tolerance rule on all five outputs, plus the exact zeros the contract promises."""
     for name in OUTPUT_NAMES:
-        assert_close_to_reference(name, getattr(out, name), getattr(ref64, name), getattr(composite, name),
-                                  atol=DTW_ATOL if name == "dtw" else 0.0)
+        assert_close_to_reference(name, getattr(out, name), getattr(ref64, name), getattr(composite, name))
     assert_contract_zeros(out, problem.topk_idx, problem.w1.shape[0])
 
 
@@ -191,3 +192,9 @@ def run_module(module: ExpertLayer, problem: Problem) -> Outputs:
     y = module(x, problem.topk_idx, topk_weights)
     grads = torch.autograd.grad(y, [x, topk_weights, module.w1, module.w2], problem.dy)
     return Outputs(y.detach(), *grads)
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter that imports the same primemoe as this one."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PRIMEMOE_ROOT, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -8,15 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
+from helpers import PRIMEMOE_ROOT
 
-from primemoe import bench  # noqa: E402
+from primemoe import bench
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _run_bench(*args):
+    # The subprocess must import the same primemoe as this one (installed or source tree).
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "python"), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PRIMEMOE_ROOT, env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "primemoe.bench", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 

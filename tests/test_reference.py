@@ -45,7 +45,7 @@ def test_reference_bf16_inputs_accumulate_in_fp32():
     y = primemoe.reference.moe(problem.x, problem.topk_idx, problem.topk_weights, problem.w1, problem.w2)
     assert y.dtype == torch.bfloat16
     # fp32 accumulation then one rounding: within one bf16 ulp of the fp64 result.
-    torch.testing.assert_close(y, naive64(problem).y.to(torch.bfloat16), rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(y, naive64(problem).y.to(torch.bfloat16), rtol=2 ** -7, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad_id", [6, 100, -2])

@@ -3,7 +3,7 @@ single-process fp64 reference of the concatenated problem."""
 
 import pytest
 
-from ep_harness import free_port, run_ep_case
+from ep_harness import prepare_spawn, run_ep_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -20,16 +20,8 @@ CASES = {
 }
 
 
-@pytest.fixture
-def ep_env(monkeypatch):
-    # Inherited by the spawned ranks. NVLink multicast must stay off on the test machine.
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "1")
-    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-
-
 @pytest.mark.parametrize("case", CASES)
-def test_baseline_expert_parallel_nccl(tmp_path, ep_env, case):
+def test_baseline_expert_parallel_nccl(tmp_path, monkeypatch, case):
+    # NVLink multicast must stay off on the test machine.
+    prepare_spawn(monkeypatch, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     run_ep_case(tmp_path, "nccl", shape=SHAPE, seed=13, device="cuda:0", **CASES[case])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from helpers import (DTW_ATOL, OUTPUT_NAMES, REFERENCE_SHAPES, ExpertLayer, assert_close_to_reference,
+from helpers import (OUTPUT_NAMES, REFERENCE_SHAPES, ROUTINGS, ExpertLayer, assert_close_to_reference,
                      assert_contract_zeros, assert_error_within, assert_moe_outputs_match, assert_outputs_equal,
                      make_problem, reference64, run_module, run_moe)
 from naive import composite
@@ -25,7 +25,6 @@ IMPLS = {
     "primemoe_recompute_fc1": functools.partial(primemoe.moe, keep_fc1=False),
     "baseline": primemoe.baseline.moe,
 }
-GPU_ROUTINGS = ("uniform", "skewed", "masked", "one_expert", "empty_experts", "all_skipped")
 
 
 def small_problem(tokens, routing="uniform", seed=0, **kwargs):
@@ -36,7 +35,7 @@ def check_against_reference(fn, problem):
     assert_moe_outputs_match(run_moe(fn, problem), reference64(problem), composite(problem), problem)
 
 
-@pytest.mark.parametrize("routing", GPU_ROUTINGS)
+@pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("tokens", [0, 1, 17, 4095])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_small_shape_matches_reference(impl, tokens, routing):
@@ -60,9 +59,9 @@ def test_bf16_topk_weights(impl, tokens):
 
 def check_against_reference_by_expert_chunks(out, problem, chunk):
     """The tolerance rule with the fp64 reference computed ``chunk`` experts at a time:
-    fp64 copies of the big shapes' weights and their gradients do not fit on one GPU.
-    y, dx and d_topk_weights are sums over experts; an expert's dw depends on its own slots only,
-    so the chunked composite dw equals the composite's."""
+    fp64 copies of DeepSeek-V3's weights and their gradients (~180 GB) do not fit on one GPU.
+    y, dx and d_topk_weights are sums over experts (summed over the chunks); an expert's dw
+    depends on its own slots only (compared chunk by chunk, squared norms summed)."""
     comp = composite(problem)
     num_experts = problem.w1.shape[0]
     ref_sum = {name: 0.0 for name in ("y", "dx", "dtw")}
@@ -82,18 +81,17 @@ def check_against_reference_by_expert_chunks(out, problem, chunk):
             acc[2] += torch.linalg.vector_norm(ref).item() ** 2
         del part
     for name, ref in ref_sum.items():
-        assert_close_to_reference(name, getattr(out, name), ref, getattr(comp, name),
-                                  atol=DTW_ATOL if name == "dtw" else 0.0)
+        assert_close_to_reference(name, getattr(out, name), ref, getattr(comp, name))
     for name, (out_sq, comp_sq, ref_sq) in squares.items():
-        assert_error_within(name, math.sqrt(out_sq), math.sqrt(comp_sq), math.sqrt(ref_sq), getattr(out, name).numel())
+        assert_error_within(name, math.sqrt(out_sq), math.sqrt(comp_sq), math.sqrt(ref_sq))
     assert_contract_zeros(out, problem.topk_idx, num_experts)
 
 
-@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
 @pytest.mark.parametrize("shape", REFERENCE_SHAPES)
 @pytest.mark.parametrize("impl", ["primemoe", "baseline"])
 def test_reference_shape_matches_reference(impl, shape, routing):
-    # DeepSeek-V3's bf16 weights alone are 22.5 GB; T=128 keeps its reference quick.
+    # DeepSeek-V3's bf16 weights alone are 22.5 GB (fp64 copies and gradients would not fit: see the chunks).
     tokens = 128 if shape == "deepseek-v3" else 256
     problem = make_problem(tokens, *REFERENCE_SHAPES[shape], routing=routing, seed=3, device="cuda")
     out = run_moe(IMPLS[impl], problem)
