@@ -44,10 +44,13 @@ def local_version(archs):
 
 def extension(archs):
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    includes = [str(ROOT / "csrc"), locate.cutlass_include(), locate.nvshmem_include()]
+    nvshmem = locate.nvshmem_root()
+    includes = [str(ROOT / "csrc"), locate.cutlass_include(), str(nvshmem / "include")]
     # After the toolkit's own headers, so only what the toolkit lacks comes from there.
     late_includes = [f"-idirafter{d}" for d in locate.cuda_library_includes()]
-    sources = ["csrc/binding.cpp"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "kernels").glob("*.cu"))
+    sources = ["csrc/binding.cpp"] + sorted(
+        str(p.relative_to(ROOT)) for d in ("kernels", "runtime") for p in (ROOT / "csrc" / d).glob("*.cu"))
+    nvshmem_lib = str(nvshmem / "lib")
     return CUDAExtension(
         name="primemoe._C",
         sources=sources,
@@ -55,8 +58,16 @@ def extension(archs):
         extra_compile_args={
             "cxx": ["-O3", "-std=c++20", "-DNDEBUG", *late_includes],
             # -DNDEBUG also keeps ptxas from serialising wgmma in CUTLASS code.
-            "nvcc": ["-O3", "-std=c++20", "-DNDEBUG", "-lineinfo", "--expt-relaxed-constexpr", *gencode],
+            # -rdc: the NVSHMEM device library is linked in at the device-link step.
+            "nvcc": ["-O3", "-std=c++20", "-DNDEBUG", "-lineinfo", "--expt-relaxed-constexpr", "-rdc=true", *gencode,
+                     # torch disables the half/bf16 operators by default; NVSHMEM's device headers need them.
+                     *[f"-U__CUDA_NO_{k}__" for k in ("HALF_OPERATORS", "HALF_CONVERSIONS", "BFLOAT16_CONVERSIONS",
+                                                       "HALF2_OPERATORS")]],
+            "nvcc_dlink": ["-dlink", *gencode, f"-L{nvshmem_lib}", "-lnvshmem_device"],
         },
+        # pip's NVSHMEM ships only the versioned host library; the rpath finds it beside
+        # torch's (site-packages/nvidia/nvshmem/lib) when torch has not loaded it already.
+        extra_link_args=[f"-L{nvshmem_lib}", "-l:libnvshmem_device.a", "-l:libnvshmem_host.so.3", "-Wl,-rpath,$ORIGIN/../nvidia/nvshmem/lib"],
     )
 
 

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -15,6 +16,9 @@
 #include "kernels/dispatch_layout.cuh"
 #include "kernels/error_record.cuh"
 #include "kernels/row_ops.cuh"
+#include "runtime/ep_kernels.cuh"
+#include "runtime/ep_workspace.cuh"
+#include "runtime/nvshmem_runtime.cuh"
 
 namespace primemoe {
 namespace {
@@ -48,14 +52,18 @@ std::string describe_error(const ErrorRecord& rec) {
            std::to_string(rec.limit) + ")); that slot was skipped";
   }
   if (rec.code == kWaitTimeout) {
-    return "primemoe: rank " + std::to_string(rec.limit) + " timed out waiting for rank " +
-           std::to_string(rec.value) + " (expert/block " + std::to_string(rec.index0) + ")";
+    static const char* what[] = {"its send counts", "its rows for local expert ", "its combine results"};
+    const std::string awaited = rec.value >= 0 ? "rank " + std::to_string(rec.value) : "a source rank";
+    return "primemoe: rank " + std::to_string(rec.limit) + " timed out waiting for " + awaited + " (" +
+           what[rec.index1 % 3] + (rec.index1 == 1 ? std::to_string(rec.index0) : std::string()) +
+           "); the results of that call are invalid";
   }
   return "primemoe: device error code " + std::to_string(rec.code);
 }
 
-// Raised at the start of every CUDA primitive: errors of earlier launches surface
-// at the next primemoe call on that device without a host sync.
+// Raised by dispatch_layout, the first primitive of every forward and backward, so
+// errors of earlier calls surface at the next primemoe call on that device without a
+// host sync, and a call never raises its own (still in flight) error midway.
 void raise_pending_error(int device) {
   ErrorRecord rec{};
   if (take_error(device, &rec)) PRIMEMOE_CHECK(false, describe_error(rec));
@@ -195,7 +203,6 @@ at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot
                             const std::optional<at::Tensor>& scale) {
   check_gather_args(src, row_to_slot, top_k, scale);
   const c10::cuda::CUDAGuard guard(src.device());
-  raise_pending_error(src.get_device());
   auto dst = at::empty({row_to_slot.size(0), src.size(1)}, src.options());
   GatherRowsArgs a{};
   a.src = src.data_ptr();
@@ -233,7 +240,6 @@ at::Tensor combine_reduce_cuda(const at::Tensor& rows, const at::Tensor& slot_to
                                const std::optional<at::Tensor>& weights) {
   check_combine_args(rows, slot_to_row, weights);
   const c10::cuda::CUDAGuard guard(rows.device());
-  raise_pending_error(rows.get_device());
   auto y = at::empty({slot_to_row.size(0), rows.size(1)}, rows.options());
   CombineReduceArgs a{};
   a.rows = rows.data_ptr();
@@ -274,7 +280,6 @@ void check_slot_dot_args(const at::Tensor& a, const at::Tensor& b, const at::Ten
 at::Tensor slot_dot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
   check_slot_dot_args(a, b, slot_to_row);
   const c10::cuda::CUDAGuard guard(a.device());
-  raise_pending_error(a.get_device());
   auto out = at::empty(slot_to_row.sizes(), a.options().dtype(at::kFloat));
   SlotDotArgs args{};
   args.a = a.data_ptr();
@@ -290,6 +295,179 @@ at::Tensor slot_dot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
 at::Tensor slot_dot_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
   check_slot_dot_args(a, b, slot_to_row);
   return (slot_rows_cpu(a, slot_to_row) * slot_rows_cpu(b, slot_to_row)).sum(-1);
+}
+
+
+// ---------------------------------------------------------------- NVSHMEM runtime
+
+at::Tensor nvshmem_unique_id_op() {
+  auto id = at::empty({static_cast<int64_t>(nvshmem_unique_id_size())}, at::TensorOptions().dtype(at::kByte));
+  PRIMEMOE_CHECK(nvshmem_make_unique_id(id.data_ptr()) == 0, "nvshmem: could not create a unique id");
+  return id;
+}
+
+void nvshmem_init_op(const at::Tensor& unique_id, int64_t rank, int64_t world) {
+  PRIMEMOE_CHECK(unique_id.scalar_type() == at::kByte && unique_id.is_cpu() &&
+                     unique_id.numel() == static_cast<int64_t>(nvshmem_unique_id_size()),
+                 "unique_id: expected the uint8 CPU tensor made by nvshmem_unique_id");
+  PRIMEMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "rank: expected 0 <= rank < world, got rank ", rank,
+                 " of ", world);
+  PRIMEMOE_CHECK(!nvshmem_is_initialized(), "nvshmem: already initialised in this process");
+  const auto contiguous = unique_id.contiguous();
+  const int status = nvshmem_bootstrap(contiguous.data_ptr(), static_cast<int>(rank), static_cast<int>(world));
+  PRIMEMOE_CHECK(status == 0, "nvshmem: initialisation failed with status ", status, " on rank ", rank, " of ", world,
+                 " (NVSHMEM_DEBUG=INFO shows why; without InfiniBand set NVSHMEM_REMOTE_TRANSPORT=none)");
+}
+
+void nvshmem_finalize_op() {
+  if (nvshmem_is_initialized()) nvshmem_shutdown();
+}
+
+EpConfig ep_config(int64_t rank, int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k,
+                   int64_t local_experts, int64_t row_align) {
+  PRIMEMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "rank: expected 0 <= rank < world");
+  PRIMEMOE_CHECK(max_tokens >= 1 && hidden >= 8 && hidden % 8 == 0 && top_k >= 1 && local_experts >= 1 &&
+                     row_align >= 1,
+                 "ep: expected positive sizes and a hidden size that is a multiple of 8");
+  PRIMEMOE_CHECK(world * local_experts <= kLayoutMaxLocalExperts, "ep: at most ", kLayoutMaxLocalExperts,
+                 " experts in all, got ", world * local_experts);
+  EpConfig c{static_cast<int32_t>(rank),       static_cast<int32_t>(world),  static_cast<int32_t>(max_tokens),
+             static_cast<int32_t>(hidden),     static_cast<int32_t>(top_k),  static_cast<int32_t>(local_experts),
+             static_cast<int32_t>(row_align)};
+  PRIMEMOE_CHECK(c.max_recv_rows() < (int64_t(1) << 31), "ep: max_tokens * top_k * world exceeds 32-bit row indices");
+  return c;
+}
+
+int64_t ep_workspace_bytes_op(int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t local_experts,
+                              int64_t row_align) {
+  return static_cast<int64_t>(ep_layout(ep_config(0, world, max_tokens, hidden, top_k, local_experts, row_align)).total);
+}
+
+at::Tensor ep_workspace_alloc_op(int64_t nbytes) {
+  PRIMEMOE_CHECK(nvshmem_is_initialized(), "nvshmem: call nvshmem_init before allocating the workspace");
+  PRIMEMOE_CHECK(nbytes > 0, "nbytes: expected > 0");
+  void* ptr = nvshmem_alloc_symmetric(static_cast<size_t>(nbytes));
+  PRIMEMOE_CHECK(ptr != nullptr, "nvshmem: could not allocate ", nbytes,
+                 " bytes of symmetric memory (raise NVSHMEM_SYMMETRIC_SIZE)");
+  if (!nvshmem_all_peers_mapped(ptr)) {
+    nvshmem_free_symmetric(ptr);
+    PRIMEMOE_CHECK(false, "primemoe: some peers are not reachable by load/store (another node); "
+                          "the inter-node NVSHMEM path is not implemented yet");
+  }
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaMemset(ptr, 0, static_cast<size_t>(nbytes)), "cudaMemset");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  // The Buffer frees it collectively through ep_workspace_free; the tensor never owns it.
+  return at::from_blob(ptr, {nbytes}, [](void*) {}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+}
+
+void ep_workspace_free_op(const at::Tensor& workspace) {
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  nvshmem_free_symmetric(workspace.data_ptr());
+}
+
+uint64_t wait_timeout_ns() {
+  static const uint64_t ns = [] {
+    const char* s = std::getenv("PRIMEMOE_WAIT_TIMEOUT_S");
+    const double seconds = s ? std::atof(s) : 60.0;
+    return static_cast<uint64_t>((seconds > 0 ? seconds : 60.0) * 1e9);
+  }();
+  return ns;
+}
+
+EpScratch ep_scratch(uint8_t* ws, const EpLayout& l, const EpConfig& c) {
+  int32_t* base = reinterpret_cast<int32_t*>(ws + l.scratch);
+  const int64_t pairs = int64_t(c.world) * c.local_experts;
+  return {base, base + pairs, base + 2 * pairs, base + 3 * pairs};
+}
+
+void check_workspace(const at::Tensor& ws, const at::Tensor& epoch, const EpLayout& l) {
+  PRIMEMOE_CHECK(ws.is_cuda() && ws.scalar_type() == at::kByte && ws.numel() >= static_cast<int64_t>(l.total),
+                 "workspace: expected the Buffer's uint8 CUDA workspace of at least ", static_cast<int64_t>(l.total),
+                 " bytes");
+  PRIMEMOE_CHECK(epoch.is_cuda() && epoch.scalar_type() == at::kLong && epoch.numel() == 1,
+                 "epoch: expected a 1-element int64 CUDA tensor");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& workspace, at::Tensor& epoch,
+                                                                 const at::Tensor& x, const at::Tensor& topk_idx,
+                                                                 const at::Tensor& topk_weights, int64_t rank,
+                                                                 int64_t world, int64_t max_tokens,
+                                                                 int64_t local_experts, int64_t row_align,
+                                                                 int64_t num_sms) {
+  check_rows(x, "x");
+  const EpConfig c = ep_config(rank, world, max_tokens, x.size(1), topk_idx.size(1), local_experts, row_align);
+  const EpLayout l = ep_layout(c);
+  check_workspace(workspace, epoch, l);
+  PRIMEMOE_CHECK(x.size(0) <= max_tokens, "x: ", x.size(0), " tokens exceed the buffer's max_tokens_per_rank ",
+                 max_tokens);
+  PRIMEMOE_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights: expected the shape of topk_idx");
+  PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
+  const int64_t experts = world * local_experts;
+  auto [send_counts, send_offsets, slot_to_row, row_to_slot] =
+      dispatch_layout_cuda(topk_idx, experts, 0, experts, 1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto opts = x.options().dtype(at::kInt);
+  auto expert_counts = at::empty({local_experts}, opts);
+  auto expert_offsets = at::empty({local_experts + 1}, opts);
+  EpDispatchArgs a{};
+  a.cfg = c;
+  a.layout = l;
+  a.workspace = workspace.data_ptr<uint8_t>();
+  a.epoch = epoch.data_ptr<int64_t>();
+  a.x = x.data_ptr();
+  a.topk_idx = topk_idx.data_ptr();
+  a.idx_is_int64 = topk_idx.scalar_type() == at::kLong;
+  a.topk_weights = topk_weights.data_ptr();
+  a.weight_type = scale_type_of(topk_weights, "topk_weights");
+  a.num_tokens = x.size(0);
+  a.send_counts = send_counts.data_ptr<int32_t>();
+  a.send_offsets = send_offsets.data_ptr<int32_t>();
+  a.send_row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.scratch = ep_scratch(a.workspace, l, c);
+  a.expert_counts = expert_counts.data_ptr<int32_t>();
+  a.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  a.num_blocks = static_cast<int32_t>(num_sms);
+  a.timeout_ns = wait_timeout_ns();
+  a.error = error_record_for(x);
+  check_cuda(launch_ep_dispatch(a, c10::cuda::getCurrentCUDAStream()), "ep_dispatch");
+  return {expert_counts, expert_offsets, slot_to_row.ge(0)};
+}
+
+void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor& rows,
+                     const std::optional<at::Tensor>& row_scalars, const at::Tensor& expert_offsets, int64_t rank,
+                     int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t local_experts,
+                     int64_t row_align, int64_t num_sms) {
+  const EpConfig c = ep_config(rank, world, max_tokens, hidden, top_k, local_experts, row_align);
+  const EpLayout l = ep_layout(c);
+  check_workspace(workspace, epoch, l);
+  check_rows(rows, "rows");
+  PRIMEMOE_CHECK(rows.size(0) >= c.max_recv_rows() && rows.size(1) == hidden, "rows: expected [",
+                 c.max_recv_rows(), ", ", hidden, "] in the receive layout, got ", rows.sizes());
+  check_index(expert_offsets, "expert_offsets", 1);
+  PRIMEMOE_CHECK(expert_offsets.numel() == local_experts + 1, "expert_offsets: expected ", local_experts + 1,
+                 " entries");
+  if (row_scalars.has_value()) {
+    PRIMEMOE_CHECK(row_scalars->scalar_type() == at::kFloat && row_scalars->is_contiguous() &&
+                       row_scalars->numel() >= c.max_recv_rows(),
+                   "row_scalars: expected a contiguous float32 tensor with one value per receive row");
+  }
+  PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  EpCombineArgs a{};
+  a.cfg = c;
+  a.layout = l;
+  a.workspace = workspace.data_ptr<uint8_t>();
+  a.epoch = epoch.data_ptr<int64_t>();
+  a.rows = rows.data_ptr();
+  a.row_scalars = row_scalars.has_value() ? row_scalars->data_ptr<float>() : nullptr;
+  a.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  a.scratch = ep_scratch(a.workspace, l, c);
+  a.num_blocks = static_cast<int32_t>(num_sms);
+  a.timeout_ns = wait_timeout_ns();
+  a.error = error_record_for(rows);
+  check_cuda(launch_ep_combine(a, c10::cuda::getCurrentCUDAStream()), "ep_combine");
 }
 
 std::vector<int64_t> take_error_op(int64_t device) {
@@ -314,6 +492,21 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
   m.def("take_error(int device) -> int[]", &take_error_op);
+  m.def("nvshmem_unique_id() -> Tensor", &nvshmem_unique_id_op);
+  m.def("nvshmem_init(Tensor unique_id, int rank, int world) -> ()", &nvshmem_init_op);
+  m.def("nvshmem_finalize() -> ()", &nvshmem_finalize_op);
+  m.def(
+      "ep_workspace_bytes(int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align) -> int",
+      &ep_workspace_bytes_op);
+  m.def("ep_workspace_alloc(int nbytes) -> Tensor", &ep_workspace_alloc_op);
+  m.def("ep_workspace_free(Tensor workspace) -> ()", &ep_workspace_free_op);
+  m.def(
+      "ep_dispatch(Tensor(a!) workspace, Tensor(b!) epoch, Tensor x, Tensor topk_idx, Tensor topk_weights, int rank, "
+      "int world, int max_tokens, int local_experts, int row_align, int num_sms) "
+      "-> (Tensor expert_counts, Tensor expert_offsets, Tensor slot_valid)");
+  m.def(
+      "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "
+      "int rank, int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, int num_sms) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
@@ -321,6 +514,8 @@ TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
   m.impl("gather_rows", &gather_rows_cuda);
   m.impl("combine_reduce", &combine_reduce_cuda);
   m.impl("slot_dot", &slot_dot_cuda);
+  m.impl("ep_dispatch", &ep_dispatch_cuda);
+  m.impl("ep_combine", &ep_combine_cuda);
 }
 
 TORCH_LIBRARY_IMPL(primemoe, CPU, m) {

@@ -96,11 +96,6 @@ def test_precision_not_in_this_build(precision):
         primemoe.moe(**good_args(), precision=precision)
 
 
-def test_buffer_not_in_this_build():
-    with pytest.raises(NotImplementedError, match="buffer"):
-        primemoe.moe(**good_args(), buffer=object())
-
-
 @pytest.mark.parametrize("bad_id", [E, 999, -2])
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
 def test_debug_mode_checks_ids_eagerly(monkeypatch, bad_id, idx_dtype):

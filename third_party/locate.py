@@ -66,10 +66,6 @@ def nvshmem_root() -> Path:
     _fail("NVSHMEM not found: pip install the nvidia-nvshmem-cu13 version your torch pins")
 
 
-def nvshmem_include() -> str:
-    return str(nvshmem_root() / "include")
-
-
 def cuda_library_includes():
     """cuBLAS/cuSPARSE/... headers that ATen includes; pip CUDA builds of torch ship them
     under nvidia/cu13/include rather than in the toolkit."""

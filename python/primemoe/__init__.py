@@ -13,8 +13,9 @@ from importlib import metadata as _metadata
 import torch
 
 from . import ops  # noqa: F401  (registers the torch.ops.primemoe kernels)
-from . import baseline, reference
+from . import baseline, ep, reference
 from ._validate import check_moe_inputs, debug_enabled
+from .buffer import Buffer
 from .routing import route
 
 try:
@@ -22,7 +23,7 @@ try:
 except _metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.1.0+source"
 
-__all__ = ["moe", "route", "check_errors", "DeviceError", "reference", "baseline", "nn"]
+__all__ = ["moe", "route", "Buffer", "check_errors", "DeviceError", "reference", "baseline", "nn"]
 
 
 class DeviceError(RuntimeError):
@@ -36,12 +37,14 @@ def moe(x, topk_idx, topk_weights, w1, w2, *, buffer=None, precision="bf16", kee
     x [T, H] bf16; topk_idx [T, K] int64/int32 (-1 = skip); topk_weights [T, K] fp32/bf16;
     w1 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Returns y [T, H].
     ``keep_fc1``: keep the FC1 pre-activations for backward (memory) instead of
-    recomputing FC1 there (compute). ``buffer=None``: all experts on this GPU.
+    recomputing FC1 there (compute). ``buffer=None``: all experts on this GPU. With a
+    ``primemoe.Buffer``: expert parallelism over its group; w1, w2 hold this rank's
+    ``buffer.local_experts`` experts and ids in ``topk_idx`` stay global.
     """
     if buffer is not None:
-        raise NotImplementedError(
-            "buffer: expert parallelism over NVSHMEM is not in this build yet; "
-            "use primemoe.baseline.moe(..., group=process_group) for EP today")
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"buffer: expected a primemoe.Buffer or None, got {type(buffer).__name__}")
+        return ep.moe(x, topk_idx, topk_weights, w1, w2, buffer=buffer, precision=precision, keep_fc1=keep_fc1)
     check_moe_inputs(x, topk_idx, topk_weights, w1, w2, precision=precision)
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2))
     y, _ = torch.ops.primemoe.moe_forward(x, topk_idx, topk_weights, w1, w2, precision, keep_fc1 and wants_grad)

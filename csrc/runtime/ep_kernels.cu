@@ -1,0 +1,235 @@
+#include <cuda_bf16.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "ep_kernels.cuh"
+
+namespace primemoe {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kVec = 8;  // bf16 per 16-byte access
+
+enum WaitPhase : int64_t { kWaitCounts = 0, kWaitArrivals = 1, kWaitCombine = 2 };
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Spins until *flag >= target; on timeout records who waited for what and gives up.
+__device__ void wait_at_least(const uint64_t* flag, uint64_t target, uint64_t timeout_ns, ErrorRecord* error,
+                              int32_t me, int32_t awaited_rank, int64_t what, int64_t phase) {
+  const uint64_t start = now_ns();
+  while (load_acquire(flag) < target) {
+    if (now_ns() - start > timeout_ns) {
+      record_error(error, kWaitTimeout, awaited_rank, me, what, phase);
+      return;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T* region(uint8_t* ws, size_t offset) {
+  return reinterpret_cast<T*>(ws + offset);
+}
+
+template <typename T>
+__device__ __forceinline__ T* on_peer(T* symmetric, int pe) {
+  return static_cast<T*>(nvshmem_ptr(symmetric, pe));
+}
+
+__device__ __forceinline__ int32_t padded(int32_t rows, int32_t align) { return (rows + align - 1) / align * align; }
+
+__device__ __forceinline__ int64_t expert_id(const void* ids, bool is_int64, int64_t slot) {
+  return is_int64 ? static_cast<const int64_t*>(ids)[slot] : static_cast<const int32_t*>(ids)[slot];
+}
+
+__device__ __forceinline__ float slot_weight(const void* w, ScaleType type, int64_t slot) {
+  return type == ScaleType::kBFloat16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(w)[slot])
+                                      : static_cast<const float*>(w)[slot];
+}
+
+__device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int vecs, int lane) {
+  for (int v = lane; v < vecs; v += 32) dst[v] = src[v];
+}
+
+__global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
+  const EpConfig& c = a.cfg;
+  const int W = c.world, E = c.local_experts, me = c.rank;
+  __shared__ uint64_t epoch_shared;
+  if (threadIdx.x == 0) {
+    epoch_shared = *a.epoch + 1;
+    *a.epoch = epoch_shared;
+  }
+  __syncthreads();
+  const uint64_t epoch = epoch_shared;
+  int32_t* matrix = region<int32_t>(a.workspace, a.layout.count_matrix);  // [src][dest][e]
+  uint64_t* count_flags = region<uint64_t>(a.workspace, a.layout.count_flags);
+  uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
+
+  int32_t* my_row = matrix + int64_t(me) * W * E;
+  for (int p = 0; p < W; ++p) {
+    int32_t* dst = on_peer(my_row, p);
+    for (int i = threadIdx.x; i < W * E; i += blockDim.x) dst[i] = a.send_counts[i];
+  }
+  __threadfence_system();
+  __syncthreads();
+  for (int p = threadIdx.x; p < W; p += blockDim.x) nvshmemx_signal_op(count_flags + me, epoch, NVSHMEM_SIGNAL_SET, p);
+  for (int src = threadIdx.x; src < W; src += blockDim.x)
+    wait_at_least(count_flags + src, epoch, a.timeout_ns, a.error, me, src, -1, kWaitCounts);
+  __syncthreads();
+
+  auto count = [&](int src, int dest, int e) { return matrix[(int64_t(src) * W + dest) * E + e]; };
+  if (threadIdx.x == 0) {
+    int32_t offset = 0;
+    for (int e = 0; e < E; ++e) {
+      int32_t total = 0;
+      for (int src = 0; src < W; ++src) total += count(src, me, e);
+      a.expert_counts[e] = total;
+      a.expert_offsets[e] = offset;
+      offset += padded(total, c.row_align);
+    }
+    a.expert_offsets[E] = offset;
+  }
+  for (int src = threadIdx.x; src < W; src += blockDim.x) {
+    int32_t rows = 0;
+    for (int e = 0; e < E; ++e) rows += count(src, me, e);
+    a.scratch.recv_from[src] = rows;
+  }
+  for (int dest = threadIdx.x; dest < W; dest += blockDim.x) {
+    int32_t offset = 0;
+    for (int e = 0; e < E; ++e) {
+      int32_t total = 0, before = 0;
+      for (int src = 0; src < W; ++src) {
+        total += count(src, dest, e);
+        if (src < me) before += count(src, dest, e);
+      }
+      a.scratch.send_base[dest * E + e] = offset + before;
+      offset += padded(total, c.row_align);
+    }
+  }
+  __syncthreads();
+  int32_t* meta = region<int32_t>(a.workspace, a.layout.recv_meta);
+  for (int e = 0; e < E; ++e) {
+    for (int32_t r = a.expert_offsets[e] + a.expert_counts[e] + threadIdx.x; r < a.expert_offsets[e + 1]; r += blockDim.x)
+      meta[r] = -1;
+  }
+  // A (destination, expert) pair this rank sends nothing to is complete already.
+  for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
+    if (a.send_counts[i] == 0) nvshmemx_signal_op(arrivals + i % E, 1, NVSHMEM_SIGNAL_ADD, i / E);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) ep_dispatch_rows_kernel(EpDispatchArgs a) {
+  const EpConfig& c = a.cfg;
+  const int E = c.local_experts, me = c.rank, H = c.hidden, K = c.top_k;
+  const int lane = threadIdx.x % 32;
+  const int64_t S = c.max_slots();
+  const int32_t total = a.send_offsets[int64_t(c.world) * E];
+  __nv_bfloat16* recv_rows = region<__nv_bfloat16>(a.workspace, a.layout.recv_rows);
+  int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
+  float* recv_weights = region<float>(a.workspace, a.layout.recv_weights);
+  uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
+
+  for (int32_t r = blockIdx.x * kWarps + threadIdx.x / 32; r < total; r += gridDim.x * kWarps) {
+    const int32_t slot = a.send_row_to_slot[r];
+    const int64_t g = expert_id(a.topk_idx, a.idx_is_int64, slot);
+    const int dest = static_cast<int>(g / E), e = static_cast<int>(g % E);
+    const int64_t pos = a.scratch.send_base[g] + (r - a.send_offsets[g]);
+    copy_row(reinterpret_cast<uint4*>(on_peer(recv_rows + pos * H, dest)),
+             reinterpret_cast<const uint4*>(x + int64_t(slot / K) * H), H / kVec, lane);
+    if (lane == 0) {
+      *on_peer(recv_meta + pos, dest) = static_cast<int32_t>(me * S + slot);
+      *on_peer(recv_weights + pos, dest) = slot_weight(a.topk_weights, a.weight_type, slot);
+    }
+    __syncwarp();
+    __threadfence_system();
+    if (lane == 0 && atomicAdd(&a.scratch.send_done[g], 1) + 1 == a.send_counts[g]) {
+      __threadfence_system();
+      nvshmemx_signal_op(arrivals + e, 1, NVSHMEM_SIGNAL_ADD, dest);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchArgs a) {
+  const uint64_t target = uint64_t(*a.epoch) * a.cfg.world;
+  const uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
+  for (int e = threadIdx.x; e < a.cfg.local_experts; e += blockDim.x)
+    wait_at_least(arrivals + e, target, a.timeout_ns, a.error, a.cfg.rank, -1, e, kWaitArrivals);
+}
+
+__global__ void __launch_bounds__(kThreads) ep_combine_rows_kernel(EpCombineArgs a) {
+  const EpConfig& c = a.cfg;
+  const int W = c.world, H = c.hidden, me = c.rank;
+  const int lane = threadIdx.x % 32;
+  const int64_t S = c.max_slots();
+  const uint64_t epoch = *a.epoch;
+  const int32_t total = a.expert_offsets[c.local_experts];
+  const int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
+  __nv_bfloat16* combine_rows = region<__nv_bfloat16>(a.workspace, a.layout.combine_rows);
+  float* combine_scalars = region<float>(a.workspace, a.layout.combine_scalars);
+  uint64_t* combine_flags = region<uint64_t>(a.workspace, a.layout.combine_flags);
+  const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(a.rows);
+
+  if (blockIdx.x == 0) {
+    for (int src = threadIdx.x; src < W; src += blockDim.x) {
+      if (a.scratch.recv_from[src] == 0) nvshmemx_signal_op(combine_flags + me, epoch, NVSHMEM_SIGNAL_SET, src);
+    }
+  }
+  for (int32_t r = blockIdx.x * kWarps + threadIdx.x / 32; r < total; r += gridDim.x * kWarps) {
+    const int32_t meta = recv_meta[r];
+    if (meta < 0) continue;
+    const int src = static_cast<int>(meta / S);
+    const int64_t slot = meta % S;
+    copy_row(reinterpret_cast<uint4*>(on_peer(combine_rows + slot * H, src)),
+             reinterpret_cast<const uint4*>(rows + int64_t(r) * H), H / kVec, lane);
+    if (lane == 0 && a.row_scalars != nullptr) *on_peer(combine_scalars + slot, src) = a.row_scalars[r];
+    __syncwarp();
+    __threadfence_system();
+    if (lane == 0 && atomicAdd(&a.scratch.combine_done[src], 1) + 1 == a.scratch.recv_from[src]) {
+      __threadfence_system();
+      nvshmemx_signal_op(combine_flags + me, epoch, NVSHMEM_SIGNAL_SET, src);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs a) {
+  const uint64_t epoch = *a.epoch;
+  const uint64_t* combine_flags = region<uint64_t>(a.workspace, a.layout.combine_flags);
+  for (int src = threadIdx.x; src < a.cfg.world; src += blockDim.x)
+    wait_at_least(combine_flags + src, epoch, a.timeout_ns, a.error, a.cfg.rank, src, -1, kWaitCombine);
+}
+
+}  // namespace
+
+cudaError_t launch_ep_dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
+  if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
+  const size_t pairs = size_t(a.cfg.world) * a.cfg.local_experts;
+  cudaError_t err = cudaMemsetAsync(a.scratch.send_done, 0, pairs * sizeof(int32_t), stream);
+  if (err != cudaSuccess) return err;
+  ep_notify_kernel<<<1, kThreads, 0, stream>>>(a);
+  ep_dispatch_rows_kernel<<<a.num_blocks, kThreads, 0, stream>>>(a);
+  ep_wait_arrivals_kernel<<<1, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ep_combine(const EpCombineArgs& a, cudaStream_t stream) {
+  if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
+  cudaError_t err = cudaMemsetAsync(a.scratch.combine_done, 0, size_t(a.cfg.world) * sizeof(int32_t), stream);
+  if (err != cudaSuccess) return err;
+  ep_combine_rows_kernel<<<a.num_blocks, kThreads, 0, stream>>>(a);
+  ep_wait_combine_kernel<<<1, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace primemoe

@@ -1,0 +1,72 @@
+// Expert-parallel dispatch and combine over NVSHMEM (intra-node peers, by
+// load/store through nvshmem_ptr). Sync-free on the host; every device-side wait
+// times out into the error record instead of hanging.
+//
+// dispatch = notify (bump epoch, publish send counts, wait for everyone's, compute
+//            the receive layout and where this rank's rows go on each peer)
+//          + rows (push each routed row, its slot and weight; count arrivals per
+//            (destination, expert) and signal `expert_arrivals` when one is complete)
+//          + wait (until every local expert has heard from every source; the fused
+//            kernel will instead wait per expert inside its GEMM producer)
+// combine  = push every received row back to its source's `combine_rows[slot]`,
+//            signal each source when its rows are done, wait for all sources.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../kernels/error_record.cuh"
+#include "../kernels/row_ops.cuh"
+#include "ep_workspace.cuh"
+
+namespace primemoe {
+
+struct EpScratch {      // plain device memory, [W * E_local] / [W] ints, owned by the caller
+  int32_t* send_base;   // [W][E_local] first row of this rank's rows in dest's receive region
+  int32_t* send_done;   // [W][E_local] rows written so far (zeroed by the launcher)
+  int32_t* recv_from;   // [W] rows this rank receives from each source (for combine)
+  int32_t* combine_done;  // [W] rows pushed back so far (zeroed by the launcher)
+};
+
+struct EpDispatchArgs {
+  EpConfig cfg;
+  EpLayout layout;
+  uint8_t* workspace;  // this rank's symmetric allocation
+  int64_t* epoch;
+  const void* x;  // [T, H] bf16
+  const void* topk_idx;
+  bool idx_is_int64;
+  const void* topk_weights;
+  ScaleType weight_type;
+  int64_t num_tokens;
+  // Send-side layout from dispatch_layout(topk_idx, E, 0, E, 1), E = W * E_local.
+  const int32_t* send_counts;   // [E]
+  const int32_t* send_offsets;  // [E + 1]
+  const int32_t* send_row_to_slot;
+  EpScratch scratch;
+  int32_t* expert_counts;   // [E_local] out: rows received per local expert
+  int32_t* expert_offsets;  // [E_local + 1] out: padded receive offsets
+  int32_t num_blocks;
+  uint64_t timeout_ns;
+  ErrorRecord* error;
+};
+
+struct EpCombineArgs {
+  EpConfig cfg;
+  EpLayout layout;
+  uint8_t* workspace;
+  int64_t* epoch;
+  const void* rows;            // [max_recv_rows, H] bf16 in the receive layout
+  const float* row_scalars;    // [max_recv_rows] or null
+  const int32_t* expert_offsets;  // [E_local + 1] from this epoch's dispatch
+  EpScratch scratch;
+  int32_t num_blocks;
+  uint64_t timeout_ns;
+  ErrorRecord* error;
+};
+
+cudaError_t launch_ep_dispatch(const EpDispatchArgs& args, cudaStream_t stream);
+cudaError_t launch_ep_combine(const EpCombineArgs& args, cudaStream_t stream);
+
+}  // namespace primemoe

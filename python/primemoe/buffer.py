@@ -1,0 +1,312 @@
+"""``primemoe.Buffer``: the NVSHMEM runtime of expert parallelism (DESIGN.md sections 3, 4).
+
+One Buffer = one symmetric workspace (csrc/runtime/ep_workspace.cuh), sized for the
+worst case and shared by every layer and call. NVSHMEM is bootstrapped over a
+torch.distributed group: a unique id made on the group's rank 0 and broadcast.
+A process holds one NVSHMEM instance: it is initialised by the first open Buffer and
+finalised when the last one closes, so a job can create, destroy and recreate buffers.
+
+Freeing is collective (every rank of the group must call ``close()``), so an open
+Buffer is never left to the garbage collector: it stays alive until ``close()`` or
+interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _C  # noqa: F401  (loads the library that defines the schemas)
+from ._validate import check_precision
+
+__all__ = ["Buffer", "EpConfig", "ep_layout", "ep_region", "nvshmem_environment"]
+
+lib = torch.ops.primemoe
+
+# Room on the symmetric heap beyond the workspace (NVSHMEM's own symmetric objects).
+SYMMETRIC_HEAP_MARGIN = 256 << 20
+_INT32_MAX = 2 ** 31 - 1
+
+
+@dataclass(frozen=True)
+class EpConfig:
+    """The sizes the workspace layout depends on (``EpConfig`` of ep_workspace.cuh)."""
+
+    world: int
+    max_tokens: int
+    hidden: int
+    top_k: int
+    local_experts: int
+    row_align: int
+
+    @property
+    def max_slots(self) -> int:
+        return self.max_tokens * self.top_k
+
+    @property
+    def max_recv_rows(self) -> int:
+        return self.world * self.max_slots + self.local_experts * (self.row_align - 1)
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def ep_layout(config: EpConfig) -> Tuple[Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]], int]:
+    """``({name: (byte offset, dtype, shape)}, total bytes)``, mirroring ``ep_layout`` of
+    csrc/runtime/ep_workspace.cuh: regions in declaration order, each 16-byte aligned."""
+    W, E, H = config.world, config.local_experts, config.hidden
+    R, S = config.max_recv_rows, config.max_slots
+    regions = (
+        ("count_matrix", torch.int32, (W, W, E)),
+        ("count_flags", torch.int64, (W,)),
+        ("expert_arrivals", torch.int64, (E,)),
+        ("combine_flags", torch.int64, (W,)),
+        ("recv_rows", torch.bfloat16, (R, H)),
+        ("recv_meta", torch.int32, (R,)),
+        ("recv_weights", torch.float32, (R,)),
+        ("combine_rows", torch.bfloat16, (S, H)),
+        ("combine_scalars", torch.float32, (S,)),
+        ("scratch", torch.int32, (4, W * E)),
+    )
+    layout, at = {}, 0
+    for name, dtype, shape in regions:
+        layout[name] = (at, dtype, shape)
+        numel = 1
+        for n in shape:
+            numel *= n
+        at = _align16(at + numel * dtype.itemsize)
+    return layout, at
+
+
+def ep_region(workspace: torch.Tensor, name: str, world: int, max_tokens: int, hidden: int, top_k: int,
+              local_experts: int, row_align: int) -> torch.Tensor:
+    """The region ``name`` of a workspace (uint8 tensor) as a typed view with its shape."""
+    layout, total = ep_layout(EpConfig(world, max_tokens, hidden, top_k, local_experts, row_align))
+    if name not in layout:
+        raise KeyError(f"ep_region: unknown region {name!r}; expected one of {list(layout)}")
+    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or workspace.numel() < total:
+        raise ValueError(f"ep_region: expected a uint8 workspace of at least {total} bytes, "
+                         f"got {workspace.dtype} of shape {tuple(workspace.shape)}")
+    offset, dtype, shape = layout[name]
+    numel = 1
+    for n in shape:
+        numel *= n
+    return workspace[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)
+
+
+def nvshmem_environment(env: Mapping[str, str], hostnames: Sequence[str],
+                        workspace_bytes: int) -> Tuple[Dict[str, str], List[str]]:
+    """The NVSHMEM_* variables to set before ``nvshmem_init`` and the warnings to give.
+
+    NVLink multicast (NVLS) is always disabled, overriding the user. Every other
+    variable the user set is kept; unset ones get: no remote transport when all ranks
+    share one host, and a symmetric heap of the workspace plus a margin.
+    """
+    updates: Dict[str, str] = {}
+    warns: List[str] = []
+    nvls = env.get("NVSHMEM_DISABLE_NVLS")
+    if nvls != "1":
+        if nvls is not None:
+            warns.append(f"primemoe.Buffer: NVSHMEM_DISABLE_NVLS={nvls!r} overridden to '1': "
+                         "NVLink multicast must stay off")
+        updates["NVSHMEM_DISABLE_NVLS"] = "1"
+    if "NVSHMEM_REMOTE_TRANSPORT" not in env and len(set(hostnames)) == 1:
+        updates["NVSHMEM_REMOTE_TRANSPORT"] = "none"
+    if "NVSHMEM_SYMMETRIC_SIZE" not in env:
+        updates["NVSHMEM_SYMMETRIC_SIZE"] = str(workspace_bytes + SYMMETRIC_HEAP_MARGIN)
+    return updates, warns
+
+
+def buffer_config(world: int, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
+                  row_align, num_sms) -> EpConfig:
+    """Checks the sizes of a Buffer (clear errors naming the argument) and returns its layout config."""
+    sizes = dict(max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, intermediate=intermediate,
+                 num_experts=num_experts, top_k=top_k, row_align=row_align, num_sms=num_sms)
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value}")
+    # 16-byte rows for the copies, TMA and the grouped GEMMs.
+    if hidden % 8:
+        raise ValueError(f"hidden: expected a multiple of 8, got {hidden}")
+    if intermediate % 8:
+        raise ValueError(f"intermediate: expected a multiple of 8, got {intermediate}")
+    if num_experts % world:
+        raise ValueError(f"num_experts: {num_experts} experts cannot be split evenly over the group's "
+                         f"{world} ranks (expected a multiple of {world})")
+    config = EpConfig(world, max_tokens_per_rank, hidden, top_k, num_experts // world, row_align)
+    # recv_meta holds src_rank * max_slots + slot in int32.
+    if config.max_recv_rows > _INT32_MAX:
+        raise ValueError(f"max_tokens_per_rank: {world} ranks x {max_tokens_per_rank} tokens x top_k {top_k} "
+                         f"= {config.max_recv_rows} receive rows exceed the int32 row index")
+    return config
+
+
+# ---------------------------------------------------------------- the process's NVSHMEM instance
+
+_open_buffers: List["Buffer"] = []  # open buffers in creation order; NVSHMEM is up while non-empty
+# (global ranks of the group, CUDA device) of the first init. NVSHMEM keeps its bootstrap for the
+# life of the process (a re-init after finalize reuses it), so every later Buffer must match it.
+_bootstrap: Optional[Tuple[Tuple[int, ...], int]] = None
+_env_set_here: Dict[str, str] = {}  # variables this module set, recomputed at the next init
+
+
+def _close_all_at_exit():
+    for buffer in reversed(list(_open_buffers)):
+        buffer.close()
+
+
+atexit.register(_close_all_at_exit)
+
+
+def _start_nvshmem(group, rank: int, world: int, device: int, workspace_bytes: int) -> None:
+    global _bootstrap
+    hostnames: List[Optional[str]] = [None] * world
+    dist.all_gather_object(hostnames, socket.gethostname(), group=group)
+    user_env = {k: v for k, v in os.environ.items() if _env_set_here.get(k) != v}
+    updates, warns = nvshmem_environment(user_env, hostnames, workspace_bytes)
+    for message in warns:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    for name, value in updates.items():
+        os.environ[name] = value
+        _env_set_here[name] = value
+
+    holder = [lib.nvshmem_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(holder, group=group, group_src=0)
+    with torch.cuda.device(device):
+        lib.nvshmem_init(holder[0], rank, world)
+    _bootstrap = (tuple(dist.get_process_group_ranks(group)), device)
+
+
+class Buffer:
+    """Expert-parallel runtime over ``group``: NVSHMEM plus one symmetric workspace.
+
+    ``primemoe.moe(..., buffer=buf)`` runs the experts of this rank
+    (``local_experts = num_experts // world``, global ids ``rank * local_experts + e``)
+    on at most ``max_tokens_per_rank`` tokens per rank. Collective: every rank of
+    ``group`` creates it with the same arguments, and calls ``close()`` (or exits).
+    ``row_align``: each local expert's received rows start at a multiple of it.
+    ``num_sms``: SMs the dispatch/combine kernels use.
+    """
+
+    def __init__(self, group, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
+                 precision="bf16", row_align=1, num_sms=24):
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        check_precision(precision)
+        world = dist.get_world_size(group)
+        config = buffer_config(world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
+                               intermediate=intermediate, num_experts=num_experts, top_k=top_k,
+                               row_align=row_align, num_sms=num_sms)
+        if not torch.cuda.is_available():
+            raise RuntimeError("primemoe.Buffer: needs CUDA (NVSHMEM runs on GPUs), but torch.cuda.is_available() is False")
+        if not hasattr(lib, "ep_dispatch"):
+            raise RuntimeError("primemoe.Buffer: this build of primemoe has no NVSHMEM runtime "
+                               "(torch.ops.primemoe.ep_dispatch is missing)")
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = world
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.hidden = hidden
+        self.intermediate = intermediate
+        self.num_experts = num_experts
+        self.local_experts = config.local_experts
+        self.top_k = top_k
+        self.precision = precision
+        self.row_align = row_align
+        self.num_sms = num_sms
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._config = config
+        layout, self.nbytes = ep_layout(config)
+        native = lib.ep_workspace_bytes(world, max_tokens_per_rank, hidden, top_k, config.local_experts, row_align)
+        assert native == self.nbytes, f"workspace layout: Python says {self.nbytes} bytes, C++ says {native}"
+
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if _bootstrap is not None and _bootstrap != (ranks, self.device.index):
+            raise ValueError(
+                f"group: NVSHMEM in this process was bootstrapped over global ranks {list(_bootstrap[0])} on "
+                f"cuda:{_bootstrap[1]} and keeps that bootstrap for the life of the process; every Buffer "
+                f"must use the same group and device (got ranks {list(ranks)} on {self.device})")
+        if not _open_buffers:
+            _start_nvshmem(group, self.rank, world, self.device.index, self.nbytes)
+        try:
+            with torch.cuda.device(self.device):
+                self.workspace = lib.ep_workspace_alloc(self.nbytes)
+        except RuntimeError as error:
+            if not _open_buffers:
+                lib.nvshmem_finalize()
+            raise RuntimeError(
+                f"primemoe.Buffer: could not allocate the {self.nbytes}-byte symmetric workspace "
+                f"(NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE')!r} must hold every open "
+                f"Buffer's workspace): {error}") from error
+        # Bumped on the device by every dispatch and never reset: the flags in the workspace compare against it.
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._regions = {name: ep_region(self.workspace, name, world, max_tokens_per_rank, hidden, top_k,
+                                         config.local_experts, row_align) for name in layout}
+        _open_buffers.append(self)
+
+    @property
+    def closed(self) -> bool:
+        return not hasattr(self, "workspace")
+
+    def region(self, name: str) -> torch.Tensor:
+        """A typed view of the workspace region ``name`` (see ``ep_layout``)."""
+        self._check_open()
+        return self._regions[name]
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        """Sends every routed row of ``x`` to its expert's rank (collective). Returns, for this rank
+        as receiver, ``expert_counts`` int32 [E_local] and ``expert_offsets`` int32 [E_local + 1] of the
+        ``recv_rows`` region, and as sender ``slot_valid`` bool [T, K]."""
+        self._check_open()
+        return lib.ep_dispatch(self.workspace, self.epoch, x, topk_idx, topk_weights, self.rank, self.world,
+                               self.max_tokens_per_rank, self.local_experts, self.row_align, self.num_sms)
+
+    def combine(self, rows, row_scalars=None) -> None:
+        """Pushes each received row of ``rows`` ([max_recv_rows, H], receive layout) and of ``row_scalars``
+        back to its source slot's ``combine_rows`` / ``combine_scalars`` (collective)."""
+        self._check_open()
+        lib.ep_combine(self.workspace, self.epoch, rows, row_scalars, self.rank, self.world,
+                       self.max_tokens_per_rank, self.hidden, self.top_k, self.local_experts, self.row_align,
+                       self.num_sms)
+
+    def close(self) -> None:
+        """Frees the workspace, and NVSHMEM with the last open Buffer (collective). Idempotent."""
+        if self.closed:
+            return
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()  # kernels may still use the workspace
+            workspace = self.workspace
+            del self.workspace, self._regions, self.epoch
+            _open_buffers.remove(self)
+            lib.ep_workspace_free(workspace)
+            if not _open_buffers:
+                lib.nvshmem_finalize()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("buffer: this primemoe.Buffer is closed")
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.nbytes} bytes on {self.device}"
+        return (f"primemoe.Buffer(rank={self.rank}, world={self.world}, "
+                f"max_tokens_per_rank={self.max_tokens_per_rank}, hidden={self.hidden}, "
+                f"intermediate={self.intermediate}, num_experts={self.num_experts} "
+                f"({self.local_experts} local), top_k={self.top_k}, precision={self.precision!r}, "
+                f"row_align={self.row_align}, num_sms={self.num_sms}; {state})")

@@ -1,0 +1,115 @@
+"""``primemoe.moe(..., buffer=buf)``: expert parallelism over the NVSHMEM workspace of a Buffer.
+
+Forward: ``ep_dispatch`` writes every routed row into its expert's rank, in expert-major
+order (``recv_rows``); the local experts run as ``torch._grouped_mm`` over that region;
+``ep_combine`` pushes each result row back to its source slot (``combine_rows``) and the
+deterministic ``combine_reduce`` kernel sums a token's K slots. Backward dispatches
+``dy`` with the same routing, so it lands in the same receive layout as ``x`` did, and
+combines the row gradients (plus the routing-weight gradients as per-row scalars) back.
+
+Every rank takes part in every dispatch and combine, whatever its token count: they
+are collective. Nothing reads routing data on the host, so a step can be captured in
+a CUDA graph. The fused Hopper kernels replace the GEMM stages when they land.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import check_moe_inputs
+from .baseline import swiglu, swiglu_backward
+from .ops import _zero_empty_experts
+
+lib = torch.ops.primemoe
+
+
+def check_buffer_problem(shape, device, precision, buffer) -> None:
+    """The problem (``MoeShape`` from ``check_moe_inputs``) must be the one ``buffer`` was made for."""
+    if buffer.closed:
+        raise RuntimeError("buffer: this primemoe.Buffer is closed")
+    if precision != buffer.precision:
+        raise ValueError(f"precision: got {precision!r}, but the buffer was created with precision={buffer.precision!r}")
+    if device != buffer.device:
+        raise ValueError(f"x: expected a tensor on the buffer's device {buffer.device}, got {device}")
+    if shape.hidden != buffer.hidden:
+        raise ValueError(f"x: hidden size H={shape.hidden} does not match the buffer's hidden={buffer.hidden}")
+    if shape.intermediate != buffer.intermediate:
+        raise ValueError(f"w1: intermediate size I={shape.intermediate} does not match the buffer's "
+                         f"intermediate={buffer.intermediate}")
+    if shape.top_k != buffer.top_k:
+        raise ValueError(f"topk_idx: {shape.top_k} slots per token do not match the buffer's top_k={buffer.top_k}")
+    if shape.local_experts != buffer.local_experts:
+        raise ValueError(f"w1: expected this rank's {buffer.local_experts} experts (num_experts={buffer.num_experts} "
+                         f"over {buffer.world} ranks), got {shape.local_experts}")
+
+
+def moe(x, topk_idx, topk_weights, w1, w2, *, buffer, precision="bf16", keep_fc1=True):
+    """See ``primemoe.moe``: w1, w2 hold this rank's ``buffer.local_experts`` experts; ids in
+    ``topk_idx`` are global (expert ``g`` lives on rank ``g // local_experts``)."""
+    shape = check_moe_inputs(x, topk_idx, topk_weights, w1, w2, precision=precision, num_ranks=buffer.world,
+                             max_tokens=buffer.max_tokens_per_rank)
+    check_buffer_problem(shape, x.device, precision, buffer)
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2))
+    return _ExpertParallelMoE.apply(x, topk_idx, topk_weights, w1, w2, buffer, keep_fc1, wants_grad)
+
+
+def _slot_map(slot_valid: torch.Tensor) -> torch.Tensor:
+    """int32 [T, K]: the slot's own index into ``combine_rows``, -1 for slots that were not routed."""
+    slots = torch.arange(slot_valid.numel(), dtype=torch.int32, device=slot_valid.device).view(slot_valid.shape)
+    return torch.where(slot_valid, slots, -1)
+
+
+def _received_rows(buffer, offsets: torch.Tensor) -> torch.Tensor:
+    """bool [max_recv_rows]: rows of the receive region that hold a routed slot in this call
+    (rows past ``offsets[-1]`` hold stale data, padding rows have meta -1)."""
+    meta = buffer.region("recv_meta")
+    rows = torch.arange(meta.shape[0], dtype=torch.int32, device=meta.device)
+    return (rows < offsets[-1]) & (meta >= 0)
+
+
+class _ExpertParallelMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, w1, w2, buffer, keep_fc1, wants_grad):
+        T, K = topk_idx.shape
+        _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
+        xs = buffer.region("recv_rows")
+        ends = offsets[1:]
+        h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
+        o = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
+        buffer.combine(o)
+        y = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), topk_weights)
+        if wants_grad:
+            ctx.buffer = buffer
+            # The next dispatch (of any layer sharing the buffer) overwrites the receive region.
+            ctx.save_for_backward(xs.clone(), h if keep_fc1 else None, topk_idx, topk_weights, w1, w2)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xs, h, topk_idx, topk_weights, w1, w2 = ctx.saved_tensors
+        buffer = ctx.buffer
+        T, K = topk_idx.shape
+        # Same routing as the forward, hence the same receive layout: dy's rows line up with xs and h.
+        # The views below are read before this rank's next dispatch, and no rank writes into this
+        # rank's receive region before that dispatch has exchanged its counts: no copies needed.
+        counts, offsets, slot_valid = buffer.dispatch(dy.contiguous(), topk_idx, topk_weights)
+        ends = offsets[1:]
+        dy_rows = buffer.region("recv_rows")
+        if h is None:
+            h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
+        a = swiglu(h)
+        received = _received_rows(buffer, offsets)
+        row_weight = torch.where(received, buffer.region("recv_weights"), 0.0).unsqueeze(1)
+        # dtw[t,k] = <dy[t], w2 a> = <dy[t] w2, a>: one fp32 dot per received row, sent back as its scalar.
+        da_unweighted = torch._grouped_mm(dy_rows, w2, offs=ends)
+        row_ids = torch.arange(received.shape[0], dtype=torch.int32, device=received.device)
+        dtw_rows = lib.slot_dot(da_unweighted, a, torch.where(received, row_ids, -1).unsqueeze(1)).view(-1)
+        dh = swiglu_backward(h, (da_unweighted * row_weight).to(h.dtype))
+        dw2 = torch._grouped_mm(dy_rows.t(), (a.float() * row_weight).to(a.dtype), offs=ends)
+        dxs = torch._grouped_mm(dh, w1, offs=ends)
+        dw1 = torch._grouped_mm(dh.t(), xs, offs=ends)
+        buffer.combine(dxs, dtw_rows)
+        dx = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)
+        d_topk_weights = torch.where(slot_valid, buffer.region("combine_scalars")[:T * K].view(T, K), 0.0)
+        return (dx, None, d_topk_weights.to(topk_weights.dtype), _zero_empty_experts(dw1, counts),
+                _zero_empty_experts(dw2, counts), None, None, None)

@@ -1,0 +1,218 @@
+"""primemoe.Buffer without a GPU: the workspace layout, argument checks (all before CUDA and
+NVSHMEM are touched), the NVSHMEM environment rules and moe(buffer=...) argument errors."""
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import make_problem
+
+import primemoe
+from primemoe import buffer as buffer_module
+from primemoe._validate import MoeShape
+from primemoe.buffer import SYMMETRIC_HEAP_MARGIN, EpConfig, buffer_config, ep_layout, ep_region, nvshmem_environment
+from primemoe.ep import check_buffer_problem
+
+GOOD_SIZES = dict(max_tokens_per_rank=64, hidden=32, intermediate=16, num_experts=8, top_k=2)
+
+
+# ---------------------------------------------------------------- workspace layout
+
+
+def test_layout_matches_a_hand_computation():
+    # W=2, max_tokens=3, H=8, K=2, E_local=3, row_align=4: S = 6 slots, R = 2*6 + 3*3 = 21 rows.
+    config = EpConfig(world=2, max_tokens=3, hidden=8, top_k=2, local_experts=3, row_align=4)
+    assert (config.max_slots, config.max_recv_rows) == (6, 21)
+    expected = {  # name: (offset, dtype, shape); each region starts 16-byte aligned after the previous one
+        "count_matrix": (0, torch.int32, (2, 2, 3)),  # 48 bytes
+        "count_flags": (48, torch.int64, (2,)),  # 16
+        "expert_arrivals": (64, torch.int64, (3,)),  # 24 -> 96
+        "combine_flags": (96, torch.int64, (2,)),  # 16
+        "recv_rows": (112, torch.bfloat16, (21, 8)),  # 336
+        "recv_meta": (448, torch.int32, (21,)),  # 84 -> 544
+        "recv_weights": (544, torch.float32, (21,)),  # 84 -> 640
+        "combine_rows": (640, torch.bfloat16, (6, 8)),  # 96
+        "combine_scalars": (736, torch.float32, (6,)),  # 24 -> 768
+        "scratch": (768, torch.int32, (4, 6)),  # 96
+    }
+    layout, total = ep_layout(config)
+    assert layout == expected
+    assert total == 864
+
+
+def test_regions_are_views_at_their_offsets():
+    sizes = dict(world=2, max_tokens=3, hidden=8, top_k=2, local_experts=3, row_align=4)
+    layout, total = ep_layout(EpConfig(**sizes))
+    workspace = torch.zeros(total, dtype=torch.uint8)
+    expected = torch.zeros(total, dtype=torch.uint8)
+    for mark, (name, (offset, dtype, shape)) in enumerate(layout.items(), start=1):
+        view = ep_region(workspace, name, **sizes)
+        assert (view.dtype, tuple(view.shape)) == (dtype, shape), name
+        view.view(torch.uint8).fill_(mark)  # a view into the workspace, not a copy
+        expected[offset:offset + torch.Size(shape).numel() * dtype.itemsize] = mark
+    assert torch.equal(workspace, expected)
+
+
+@pytest.mark.parametrize("sizes", [
+    dict(world=1, max_tokens=1, hidden=8, top_k=1, local_experts=1, row_align=1),
+    dict(world=2, max_tokens=3, hidden=8, top_k=2, local_experts=3, row_align=4),
+    dict(world=8, max_tokens=4096, hidden=7168, top_k=8, local_experts=32, row_align=1),
+    dict(world=4, max_tokens=17, hidden=2048, top_k=6, local_experts=5, row_align=128),
+])
+def test_layout_size_matches_the_native_layout(sizes):
+    if not hasattr(torch.ops.primemoe, "ep_workspace_bytes"):
+        pytest.skip("this build has no torch.ops.primemoe.ep_workspace_bytes (NVSHMEM runtime not built)")
+    _, total = ep_layout(EpConfig(**sizes))
+    assert total == torch.ops.primemoe.ep_workspace_bytes(
+        sizes["world"], sizes["max_tokens"], sizes["hidden"], sizes["top_k"], sizes["local_experts"], sizes["row_align"])
+
+
+def test_ep_region_rejects_unknown_names_and_small_workspaces():
+    sizes = dict(world=2, max_tokens=3, hidden=8, top_k=2, local_experts=3, row_align=1)
+    _, total = ep_layout(EpConfig(**sizes))
+    with pytest.raises(KeyError, match="unknown region 'recv'"):
+        ep_region(torch.zeros(total, dtype=torch.uint8), "recv", **sizes)
+    with pytest.raises(ValueError, match=f"at least {total} bytes"):
+        ep_region(torch.zeros(total - 16, dtype=torch.uint8), "recv_rows", **sizes)
+    with pytest.raises(ValueError, match="uint8 workspace"):
+        ep_region(torch.zeros(total, dtype=torch.int32), "recv_rows", **sizes)
+
+
+# ---------------------------------------------------------------- Buffer arguments
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo group in this process (no GPU needed)."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def no_nvshmem(monkeypatch):
+    """Fails the test if the Buffer gets as far as bootstrapping NVSHMEM."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Buffer touched NVSHMEM before rejecting its arguments")
+    monkeypatch.setattr(buffer_module, "_start_nvshmem", forbidden)
+
+
+def test_buffer_needs_a_process_group(no_nvshmem):
+    with pytest.raises(TypeError, match="group: expected a torch.distributed.ProcessGroup, got NoneType"):
+        primemoe.Buffer(None, **GOOD_SIZES)
+
+
+@pytest.mark.parametrize("name, value, error, pattern", [
+    ("max_tokens_per_rank", 0, ValueError, "max_tokens_per_rank: expected a positive int, got 0"),
+    ("hidden", -8, ValueError, "hidden: expected a positive int, got -8"),
+    ("intermediate", 16.0, TypeError, "intermediate: expected an int, got float"),
+    ("num_experts", True, TypeError, "num_experts: expected an int, got bool"),
+    ("top_k", None, TypeError, "top_k: expected an int, got NoneType"),
+    ("row_align", 0, ValueError, "row_align: expected a positive int"),
+    ("num_sms", -1, ValueError, "num_sms: expected a positive int"),
+    ("hidden", 12, ValueError, "hidden: expected a multiple of 8, got 12"),
+    ("intermediate", 20, ValueError, "intermediate: expected a multiple of 8, got 20"),
+    ("precision", "fp16", ValueError, "precision: expected one of"),
+    ("precision", "fp8", NotImplementedError, "precision: 'fp8' has no kernels"),
+])
+def test_buffer_rejects_bad_sizes(group, no_nvshmem, name, value, error, pattern):
+    with pytest.raises(error, match=pattern):
+        primemoe.Buffer(group, **dict(GOOD_SIZES, **{name: value}))
+
+
+def test_buffer_needs_cuda_before_touching_nvshmem(group, no_nvshmem, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="primemoe.Buffer: needs CUDA"):
+        primemoe.Buffer(group, **GOOD_SIZES)
+
+
+def test_experts_must_split_evenly_over_the_ranks():
+    with pytest.raises(ValueError, match="num_experts: 8 experts cannot be split evenly over the group's 3 ranks"):
+        buffer_config(3, **GOOD_SIZES, row_align=1, num_sms=24)
+    assert buffer_config(4, **GOOD_SIZES, row_align=1, num_sms=24).local_experts == 2
+
+
+def test_receive_rows_must_fit_int32():
+    sizes = dict(GOOD_SIZES, max_tokens_per_rank=2 ** 20, top_k=8)
+    with pytest.raises(ValueError, match="exceed the int32 row index"):
+        buffer_config(256, **dict(sizes, num_experts=256), row_align=1, num_sms=24)
+
+
+# ---------------------------------------------------------------- NVSHMEM environment
+
+GIB = 1 << 30
+
+
+def test_environment_defaults_on_one_host():
+    updates, warns = nvshmem_environment({}, ["node0", "node0"], GIB)
+    assert updates == {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none",
+                       "NVSHMEM_SYMMETRIC_SIZE": str(GIB + SYMMETRIC_HEAP_MARGIN)}
+    assert warns == []
+
+
+def test_environment_keeps_the_remote_transport_across_hosts():
+    updates, _ = nvshmem_environment({}, ["node0", "node1"], GIB)
+    assert "NVSHMEM_REMOTE_TRANSPORT" not in updates
+
+
+def test_environment_respects_what_the_user_set():
+    user = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "ibgda", "NVSHMEM_SYMMETRIC_SIZE": "4G",
+            "NVSHMEM_DEBUG": "INFO"}
+    assert nvshmem_environment(user, ["node0", "node0"], GIB) == ({}, [])
+
+
+@pytest.mark.parametrize("value", ["0", "", "false"])
+def test_environment_forces_multicast_off_with_a_warning(value):
+    updates, warns = nvshmem_environment({"NVSHMEM_DISABLE_NVLS": value}, ["node0"], GIB)
+    assert updates["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert len(warns) == 1 and "NVLink multicast must stay off" in warns[0] and repr(value) in warns[0]
+
+
+# ---------------------------------------------------------------- moe(buffer=...)
+
+
+def small_args():
+    p = make_problem(5, 16, 8, 4, 2)
+    return dict(x=p.x, topk_idx=p.topk_idx, topk_weights=p.topk_weights, w1=p.w1, w2=p.w2)
+
+
+def test_moe_rejects_a_buffer_that_is_not_a_buffer():
+    with pytest.raises(TypeError, match="buffer: expected a primemoe.Buffer or None, got object"):
+        primemoe.moe(**small_args(), buffer=object())
+
+
+def fake_buffer(**changes):
+    """The attributes check_buffer_problem reads, for a problem H=16, I=8, K=2, E_local=4 on 2 ranks."""
+    fields = dict(closed=False, precision="bf16", device=torch.device("cuda", 0), hidden=16, intermediate=8,
+                  top_k=2, local_experts=4, num_experts=8, world=2)
+    return types.SimpleNamespace(**dict(fields, **changes))
+
+
+SHAPE = MoeShape(tokens=5, hidden=16, intermediate=8, top_k=2, local_experts=4, num_experts=8)
+
+
+def test_a_matching_problem_passes():
+    check_buffer_problem(SHAPE, torch.device("cuda", 0), "bf16", fake_buffer())
+
+
+@pytest.mark.parametrize("changes, device, error, pattern", [
+    (dict(closed=True), "cuda:0", RuntimeError, "buffer: this primemoe.Buffer is closed"),
+    (dict(device=torch.device("cuda", 1)), "cuda:0", ValueError, r"x: expected a tensor on the buffer's device cuda:1"),
+    ({}, "cpu", ValueError, "x: expected a tensor on the buffer's device cuda:0, got cpu"),
+    (dict(hidden=32), "cuda:0", ValueError, "x: hidden size H=16 does not match the buffer's hidden=32"),
+    (dict(intermediate=16), "cuda:0", ValueError, "w1: intermediate size I=8 does not match"),
+    (dict(top_k=4), "cuda:0", ValueError, "topk_idx: 2 slots per token do not match the buffer's top_k=4"),
+    (dict(local_experts=2, num_experts=4), "cuda:0", ValueError, "w1: expected this rank's 2 experts"),
+])
+def test_a_problem_the_buffer_was_not_made_for(changes, device, error, pattern):
+    with pytest.raises(error, match=pattern):
+        check_buffer_problem(SHAPE, torch.device(device), "bf16", fake_buffer(**changes))
+
+
+def test_precision_must_be_the_buffers():
+    with pytest.raises(ValueError, match="precision: got 'fp8', but the buffer was created with precision='bf16'"):
+        check_buffer_problem(SHAPE, torch.device("cuda", 0), "fp8", fake_buffer())
