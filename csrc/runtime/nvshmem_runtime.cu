@@ -43,9 +43,4 @@ bool nvshmem_all_peers_mapped(void* symmetric) {
   return true;
 }
 
-int nvshmem_barrier_on_stream(cudaStream_t stream) {
-  nvshmemx_barrier_all_on_stream(stream);
-  return static_cast<int>(cudaGetLastError());
-}
-
 }  // namespace primemoe

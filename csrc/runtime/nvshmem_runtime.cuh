@@ -22,6 +22,5 @@ void* nvshmem_alloc_symmetric(size_t bytes);  // collective
 void nvshmem_free_symmetric(void* ptr);       // collective
 // True when every PE's copy of `symmetric` is reachable by load/store from this GPU.
 bool nvshmem_all_peers_mapped(void* symmetric);
-int nvshmem_barrier_on_stream(cudaStream_t stream);
 
 }  // namespace primemoe

@@ -69,7 +69,10 @@ def _describe(record) -> str:
         return (f"primemoe: topk_idx[{index0}, {index1}] = {value} is not an expert id "
                 f"(expected -1 or a value in [0, {limit})); that slot was skipped")
     if code == 2:
-        return f"primemoe: rank {limit} timed out waiting for rank {value} (expert/block {index0})"
+        awaited = f"rank {value}" if value >= 0 else "a source rank"
+        what = {0: "its send counts", 1: f"its rows for local expert {index0}", 2: "its combine results"}[index1 % 3]
+        return (f"primemoe: rank {limit} timed out waiting for {awaited} ({what}); "
+                f"the results of that call are invalid")
     return f"primemoe: device error code {code}"
 
 
