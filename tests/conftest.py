@@ -1,4 +1,4 @@
-"""Markers ``gpu`` / ``multigpu``: skipped automatically without enough CUDA devices."""
+"""Markers ``gpu`` / ``multigpu``: skipped automatically without enough CUDA devices; ``slow``: soak tests."""
 
 import sys
 from pathlib import Path
@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "multigpu: needs two or more CUDA GPUs (skipped otherwise)")
+    config.addinivalue_line("markers", "slow: long-running (soak) test; deselect with -m 'not slow'")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -62,8 +62,6 @@ def test_regions_are_views_at_their_offsets():
     dict(world=4, max_tokens=17, hidden=2048, top_k=6, local_experts=5, row_align=128),
 ])
 def test_layout_size_matches_the_native_layout(sizes):
-    if not hasattr(torch.ops.primemoe, "ep_workspace_bytes"):
-        pytest.skip("this build has no torch.ops.primemoe.ep_workspace_bytes (NVSHMEM runtime not built)")
     _, total = ep_layout(EpConfig(**sizes))
     assert total == torch.ops.primemoe.ep_workspace_bytes(
         sizes["world"], sizes["max_tokens"], sizes["hidden"], sizes["top_k"], sizes["local_experts"], sizes["row_align"])
@@ -115,6 +113,7 @@ def test_buffer_needs_a_process_group(no_nvshmem):
     ("row_align", 0, ValueError, "row_align: expected a positive int"),
     ("num_sms", -1, ValueError, "num_sms: expected a positive int"),
     ("hidden", 12, ValueError, "hidden: expected a multiple of 8, got 12"),
+    ("num_experts", 2048, ValueError, "num_experts: at most 1024 experts are supported, got 2048"),
     ("intermediate", 20, ValueError, "intermediate: expected a multiple of 8, got 20"),
     ("precision", "fp16", ValueError, "precision: expected one of"),
     ("precision", "fp8", NotImplementedError, "precision: 'fp8' has no kernels"),
@@ -137,9 +136,9 @@ def test_experts_must_split_evenly_over_the_ranks():
 
 
 def test_receive_rows_must_fit_int32():
-    sizes = dict(GOOD_SIZES, max_tokens_per_rank=2 ** 20, top_k=8)
+    sizes = dict(GOOD_SIZES, max_tokens_per_rank=2 ** 20, top_k=8, num_experts=256)
     with pytest.raises(ValueError, match="exceed the int32 row index"):
-        buffer_config(256, **dict(sizes, num_experts=256), row_align=1, num_sms=24)
+        buffer_config(256, **sizes, row_align=1, num_sms=24)
 
 
 # ---------------------------------------------------------------- NVSHMEM environment

@@ -1,5 +1,7 @@
 """primemoe.nn.MoE loads Qwen3-MoE block state dicts and computes route() + the reference."""
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -80,3 +82,27 @@ def test_moe_module_round_trips_its_own_state_dict():
     copy.load_state_dict(module.state_dict())
     hidden_states = torch.randn(4, H)
     assert torch.equal(copy(hidden_states), module(hidden_states))
+
+
+def rank_buffer(rank, **changes):
+    """The attributes MoE reads from a primemoe.Buffer: rank ``rank`` of 2, E/2 experts each."""
+    fields = dict(rank=rank, world=2, local_experts=E // 2, hidden=H, intermediate=I, num_experts=E, top_k=K)
+    return types.SimpleNamespace(**dict(fields, **changes))
+
+
+@pytest.mark.parametrize("layout", [per_expert_state_dict, fused_state_dict], ids=["per_expert", "fused"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_moe_module_with_a_buffer_loads_its_experts_only(layout, rank):
+    gate, gate_proj, up_proj, down_proj = qwen3_block_weights(seed=2)
+    module = MoE(H, I, E, K, buffer=rank_buffer(rank), dtype=torch.float32)
+    assert module.w1.shape == (E // 2, 2 * I, H) and module.w2.shape == (E // 2, H, I)
+    module.load_state_dict(layout(gate, gate_proj, up_proj, down_proj))
+    mine = slice(rank * E // 2, (rank + 1) * E // 2)
+    assert torch.equal(module.gate.weight, gate)
+    assert torch.equal(module.w1, torch.cat([gate_proj, up_proj], dim=1)[mine])
+    assert torch.equal(module.w2, down_proj[mine])
+
+
+def test_moe_module_rejects_a_buffer_made_for_another_layer():
+    with pytest.raises(ValueError, match=r"buffer: made for \(hidden, intermediate, num_experts, top_k\)"):
+        MoE(H, I, E, K, buffer=rank_buffer(0, hidden=2 * H))

@@ -26,13 +26,14 @@ import torch.distributed as dist
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from ._validate import check_precision
 
-__all__ = ["Buffer", "EpConfig", "ep_layout", "ep_region", "nvshmem_environment"]
+__all__ = ["Buffer", "EpConfig", "buffer_config", "ep_layout", "ep_region", "nvshmem_environment"]
 
 lib = torch.ops.primemoe
 
 # Room on the symmetric heap beyond the workspace (NVSHMEM's own symmetric objects).
 SYMMETRIC_HEAP_MARGIN = 256 << 20
 _INT32_MAX = 2 ** 31 - 1
+MAX_EXPERTS = 1024  # kLayoutMaxLocalExperts of csrc/kernels/dispatch_layout.cuh (the send-side layout spans all experts)
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,8 @@ def buffer_config(world: int, *, max_tokens_per_rank, hidden, intermediate, num_
         raise ValueError(f"hidden: expected a multiple of 8, got {hidden}")
     if intermediate % 8:
         raise ValueError(f"intermediate: expected a multiple of 8, got {intermediate}")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts: at most {MAX_EXPERTS} experts are supported, got {num_experts}")
     if num_experts % world:
         raise ValueError(f"num_experts: {num_experts} experts cannot be split evenly over the group's "
                          f"{world} ranks (expected a multiple of {world})")
@@ -209,9 +212,6 @@ class Buffer:
                                row_align=row_align, num_sms=num_sms)
         if not torch.cuda.is_available():
             raise RuntimeError("primemoe.Buffer: needs CUDA (NVSHMEM runs on GPUs), but torch.cuda.is_available() is False")
-        if not hasattr(lib, "ep_dispatch"):
-            raise RuntimeError("primemoe.Buffer: this build of primemoe has no NVSHMEM runtime "
-                               "(torch.ops.primemoe.ep_dispatch is missing)")
 
         self.group = group
         self.rank = dist.get_rank(group)
@@ -226,7 +226,6 @@ class Buffer:
         self.row_align = row_align
         self.num_sms = num_sms
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self._config = config
         layout, self.nbytes = ep_layout(config)
         native = lib.ep_workspace_bytes(world, max_tokens_per_rank, hidden, top_k, config.local_experts, row_align)
         assert native == self.nbytes, f"workspace layout: Python says {self.nbytes} bytes, C++ says {native}"
@@ -272,11 +271,12 @@ class Buffer:
         return lib.ep_dispatch(self.workspace, self.epoch, x, topk_idx, topk_weights, self.rank, self.world,
                                self.max_tokens_per_rank, self.local_experts, self.row_align, self.num_sms)
 
-    def combine(self, rows, row_scalars=None) -> None:
+    def combine(self, rows, expert_offsets, row_scalars=None) -> None:
         """Pushes each received row of ``rows`` ([max_recv_rows, H], receive layout) and of ``row_scalars``
-        back to its source slot's ``combine_rows`` / ``combine_scalars`` (collective)."""
+        back to its source slot's ``combine_rows`` / ``combine_scalars`` (collective).
+        ``expert_offsets``: from the dispatch whose receive layout ``rows`` is in."""
         self._check_open()
-        lib.ep_combine(self.workspace, self.epoch, rows, row_scalars, self.rank, self.world,
+        lib.ep_combine(self.workspace, self.epoch, rows, row_scalars, expert_offsets, self.rank, self.world,
                        self.max_tokens_per_rank, self.hidden, self.top_k, self.local_experts, self.row_align,
                        self.num_sms)
 
@@ -285,7 +285,6 @@ class Buffer:
         if self.closed:
             return
         with torch.cuda.device(self.device):
-            torch.cuda.synchronize()  # kernels may still use the workspace
             workspace = self.workspace
             del self.workspace, self._regions, self.epoch
             _open_buffers.remove(self)

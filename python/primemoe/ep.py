@@ -59,14 +59,6 @@ def _slot_map(slot_valid: torch.Tensor) -> torch.Tensor:
     return torch.where(slot_valid, slots, -1)
 
 
-def _received_rows(buffer, offsets: torch.Tensor) -> torch.Tensor:
-    """bool [max_recv_rows]: rows of the receive region that hold a routed slot in this call
-    (rows past ``offsets[-1]`` hold stale data, padding rows have meta -1)."""
-    meta = buffer.region("recv_meta")
-    rows = torch.arange(meta.shape[0], dtype=torch.int32, device=meta.device)
-    return (rows < offsets[-1]) & (meta >= 0)
-
-
 class _ExpertParallelMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w1, w2, buffer, keep_fc1, wants_grad):
@@ -76,7 +68,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
         ends = offsets[1:]
         h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
         o = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
-        buffer.combine(o)
+        buffer.combine(o, offsets)
         y = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), topk_weights)
         if wants_grad:
             ctx.buffer = buffer
@@ -98,17 +90,18 @@ class _ExpertParallelMoE(torch.autograd.Function):
         if h is None:
             h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
         a = swiglu(h)
-        received = _received_rows(buffer, offsets)
-        row_weight = torch.where(received, buffer.region("recv_weights"), 0.0).unsqueeze(1)
+        # Padding rows (meta -1) lie inside the experts' row ranges with stale data: weight 0 keeps them
+        # out of dw. Rows past offsets[-1] are in no expert's range and are never sent back.
+        row_weight = torch.where(buffer.region("recv_meta") >= 0, buffer.region("recv_weights"), 0.0).unsqueeze(1)
         # dtw[t,k] = <dy[t], w2 a> = <dy[t] w2, a>: one fp32 dot per received row, sent back as its scalar.
         da_unweighted = torch._grouped_mm(dy_rows, w2, offs=ends)
-        row_ids = torch.arange(received.shape[0], dtype=torch.int32, device=received.device)
-        dtw_rows = lib.slot_dot(da_unweighted, a, torch.where(received, row_ids, -1).unsqueeze(1)).view(-1)
+        every_row = torch.arange(h.shape[0], dtype=torch.int32, device=h.device).unsqueeze(1)
+        dtw_rows = lib.slot_dot(da_unweighted, a, every_row).view(-1)
         dh = swiglu_backward(h, (da_unweighted * row_weight).to(h.dtype))
         dw2 = torch._grouped_mm(dy_rows.t(), (a.float() * row_weight).to(a.dtype), offs=ends)
         dxs = torch._grouped_mm(dh, w1, offs=ends)
         dw1 = torch._grouped_mm(dh.t(), xs, offs=ends)
-        buffer.combine(dxs, dtw_rows)
+        buffer.combine(dxs, offsets, dtw_rows)
         dx = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)
         d_topk_weights = torch.where(slot_valid, buffer.region("combine_scalars")[:T * K].view(T, K), 0.0)
         return (dx, None, d_topk_weights.to(topk_weights.dtype), _zero_empty_experts(dw1, counts),

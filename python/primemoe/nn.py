@@ -20,6 +20,9 @@ class MoE(nn.Module):
     up_proj rows), ``w2 [E, H, I]`` (down_proj). Loads both the per-expert Qwen3-MoE
     keys (``experts.{e}.gate_proj.weight`` ...) and the fused ones
     (``experts.gate_up_proj``, ``experts.down_proj``).
+
+    With a ``primemoe.Buffer`` (expert parallelism), ``w1`` / ``w2`` hold only this rank's
+    ``buffer.local_experts`` experts, and a Qwen3 state dict loads just their slice.
     """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, *, norm_topk_prob=True,
@@ -30,9 +33,17 @@ class MoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.precision = precision
         self.buffer = buffer
+        if buffer is not None:
+            made_for = (buffer.hidden, buffer.intermediate, buffer.num_experts, buffer.top_k)
+            if made_for != (hidden, intermediate, num_experts, top_k):
+                raise ValueError(f"buffer: made for (hidden, intermediate, num_experts, top_k) = {made_for}, "
+                                 f"but this module has {(hidden, intermediate, num_experts, top_k)}")
+        local = num_experts if buffer is None else buffer.local_experts
+        first = 0 if buffer is None else buffer.rank * local
+        self.expert_range = slice(first, first + local)  # global ids of the experts held here
         self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
-        self.w1 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, device=device, dtype=dtype))
+        self.w1 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate, device=device, dtype=dtype))
         self.reset_parameters()
         self._register_load_state_dict_pre_hook(self._convert_qwen3_keys)
 
@@ -54,18 +65,20 @@ class MoE(nn.Module):
     def _convert_qwen3_keys(self, state_dict, prefix, *args, **kwargs):
         fused_up, fused_down = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
         if fused_up in state_dict:
-            state_dict[prefix + "w1"] = state_dict.pop(fused_up)
-            state_dict[prefix + "w2"] = state_dict.pop(fused_down)
+            state_dict[prefix + "w1"] = state_dict.pop(fused_up)[self.expert_range]
+            state_dict[prefix + "w2"] = state_dict.pop(fused_down)[self.expert_range]
             return
         per_expert = prefix + "experts.0.gate_proj.weight"
         if per_expert not in state_dict:
             return
         w1, w2 = [], []
-        for e in range(self.num_experts):
+        for e in range(self.num_experts):  # every expert's keys leave the dict; this rank keeps its own
             base = f"{prefix}experts.{e}."
             gate = state_dict.pop(base + "gate_proj.weight")
             up = state_dict.pop(base + "up_proj.weight")
-            w1.append(torch.cat([gate, up], dim=0))
-            w2.append(state_dict.pop(base + "down_proj.weight"))
+            down = state_dict.pop(base + "down_proj.weight")
+            if self.expert_range.start <= e < self.expert_range.stop:
+                w1.append(torch.cat([gate, up], dim=0))
+                w2.append(down)
         state_dict[prefix + "w1"] = torch.stack(w1)
         state_dict[prefix + "w2"] = torch.stack(w2)

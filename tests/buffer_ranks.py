@@ -1,0 +1,226 @@
+"""Rank side of tests/gpu/test_buffer_gpu.py: ``primemoe.Buffer`` (NVSHMEM bootstrapped over an
+NCCL group) in spawned processes, one per GPU. Each entry point ``fn(rank, world, ...)`` loads
+the inputs the parent wrote and saves what the parent checks; a failing rank fails the spawn."""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ep_harness import rank_problem
+from helpers import Outputs, Problem, run_moe
+
+import primemoe
+
+
+def spawn_ranks(fn, world, *args, timeout_s=600):
+    """Runs ``fn(rank, world, *args)`` in ``world`` processes; a spawn still running after
+    ``timeout_s`` is a hang: its processes are killed and the test fails."""
+    context = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            try:
+                context.join()
+            except Exception as error:  # the rank's own traceback, when it wrote one before hanging
+                raise AssertionError(f"ranks still running after {timeout_s} s (a hang)") from error
+            raise AssertionError(f"ranks still running after {timeout_s} s (a hang)")
+
+
+@contextmanager
+def nccl_rank(rank, world):
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+def buffer_sizes(problem: Problem, world: int, max_tokens: int) -> dict:
+    """Buffer arguments for a problem given with all of its experts (``problem.w1`` [E, 2I, H])."""
+    experts, two_i, hidden = problem.w1.shape
+    return dict(max_tokens_per_rank=max_tokens, hidden=hidden, intermediate=two_i // 2, num_experts=experts,
+                top_k=problem.topk_idx.shape[1])
+
+
+def _cpu(outputs: Outputs) -> dict:
+    return {name: value.cpu() for name, value in vars(outputs).items()}
+
+
+# ---------------------------------------------------------------- one rank: create, destroy, recreate
+
+
+def single_rank_lifecycle(rank, world, problem_path, out_dir):
+    """Four buffers one after the other on the same problem; the last is left open for atexit."""
+    results = {}
+    with nccl_rank(rank, world) as device:
+        problem = Problem(**torch.load(problem_path)).to(device)
+        sizes = buffer_sizes(problem, world, problem.x.shape[0] + 100)
+        for attempt in range(2):
+            buffer = primemoe.Buffer(dist.group.WORLD, **sizes)
+            assert buffer.nbytes > 0, repr(buffer)
+            assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+            results[f"attempt{attempt}"] = _cpu(run_moe(partial(primemoe.moe, buffer=buffer), problem))
+            if attempt == 0:
+                recompute = partial(primemoe.moe, buffer=buffer, keep_fc1=False)
+                results["recompute_fc1"] = _cpu(run_moe(recompute, problem))
+            primemoe.check_errors()
+            buffer.close()
+            buffer.close()  # idempotent
+            assert buffer.closed and "closed" in repr(buffer)
+        with primemoe.Buffer(dist.group.WORLD, **sizes) as buffer:
+            results["context_manager"] = _cpu(run_moe(partial(primemoe.moe, buffer=buffer), problem))
+        assert buffer.closed
+        # Left open: freed (collectively) by the atexit hook when this process exits.
+        buffer = primemoe.Buffer(dist.group.WORLD, **sizes)
+        results["left_open"] = _cpu(run_moe(partial(primemoe.moe, buffer=buffer), problem))
+        primemoe.check_errors()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+# ---------------------------------------------------------------- dispatch and combine alone
+
+
+def dispatch_cases(rank, world, cases_path, out_dir):
+    """Each case: ep_dispatch, the receive region, then ep_combine echoing every received row
+    (and its routing weight as the row scalar) back to its source slot."""
+    data = torch.load(cases_path)
+    results = {}
+    with nccl_rank(rank, world) as device, primemoe.Buffer(dist.group.WORLD, **data["sizes"]) as buffer:
+        for name, case in data["cases"].items():
+            x, topk_idx, topk_weights = (t.to(device) for t in case["inputs"][rank])
+            counts, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
+            total = int(offsets[-1])
+            received = {region: buffer.region(region)[:total].clone()
+                        for region in ("recv_rows", "recv_meta", "recv_weights")}
+            buffer.combine(buffer.region("recv_rows").clone(), offsets, buffer.region("recv_weights").clone())
+            slots = topk_idx.numel()
+            echoed = {region: buffer.region(region)[:slots].clone() for region in ("combine_rows", "combine_scalars")}
+            try:
+                primemoe.check_errors()
+                error = None
+            except primemoe.DeviceError as raised:
+                error = str(raised)
+            results[name] = {key: value.cpu() for key, value in dict(
+                counts=counts, offsets=offsets, slot_valid=slot_valid, **received, **echoed).items()}
+            results[name]["error"] = error
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+# ---------------------------------------------------------------- moe(buffer=...)
+
+
+def _leaves(problem: Problem):
+    return [t.detach().clone().requires_grad_() for t in (problem.x, problem.topk_weights, problem.w1, problem.w2)]
+
+
+def _layered(moe, first: Problem, second: Problem):
+    """Two layers sharing the buffer: both forwards, then one backward through both."""
+    leaves = [_leaves(first), _leaves(second)]
+    ys = [moe(x, p.topk_idx, tw, w1, w2) for p, (x, tw, w1, w2) in zip((first, second), leaves)]
+    grads = torch.autograd.grad(ys, leaves[0] + leaves[1], [first.dy, second.dy])
+    return [Outputs(ys[0].detach(), *grads[:4]), Outputs(ys[1].detach(), *grads[4:])]
+
+
+def _graph_replays(moe, static_problem: Problem, replay_problems):
+    """Forward+backward captured once, replayed on new values and routings; eager runs alongside."""
+    leaves = _leaves(static_problem)
+    static_x, static_tw, static_w1, static_w2 = leaves
+    static_idx, static_dy = static_problem.topk_idx.clone(), static_problem.dy.clone()
+
+    def step():
+        y = moe(static_x, static_idx, static_tw, static_w1, static_w2)
+        return (y, *torch.autograd.grad(y, leaves, static_dy))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    results = []
+    for problem in replay_problems:
+        with torch.no_grad():
+            for static, new in zip((static_x, static_tw, static_w1, static_w2, static_idx, static_dy),
+                                   (problem.x, problem.topk_weights, problem.w1, problem.w2, problem.topk_idx,
+                                    problem.dy)):
+                static.copy_(new)
+        graph.replay()
+        replayed = Outputs(*(t.clone() for t in static_out))
+        results.append((_cpu(replayed), _cpu(run_moe(moe, problem))))
+    return results
+
+
+def moe_cases(rank, world, cases_path, out_dir):
+    """Every case through one Buffer, then: a repeat (bitwise), two layers sharing the buffer,
+    and CUDA-graph replay against eager."""
+    data = torch.load(cases_path)
+    with nccl_rank(rank, world) as device:
+        def mine(case):
+            return rank_problem(Problem(**case["problem"]), rank, case["tokens_per_rank"], device)
+
+        results = {}
+        with primemoe.Buffer(dist.group.WORLD, **data["sizes"]) as buffer:
+            moe = partial(primemoe.moe, buffer=buffer)
+            for name, case in data["cases"].items():
+                results[name] = _cpu(run_moe(moe, mine(case)))
+            repeat, layered = data["repeat"], data["layered"]
+            results["repeat"] = _cpu(run_moe(moe, mine(data["cases"][repeat])))
+            results["layered"] = [_cpu(o) for o in _layered(moe, *(mine(data["cases"][n]) for n in layered))]
+            graph = data["graph"]
+            results["graph"] = _graph_replays(moe, mine(graph["static"]), [mine(c) for c in graph["replays"]])
+            primemoe.check_errors()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+# ---------------------------------------------------------------- soak
+
+
+def _soak_iteration(buffer, gen, device, iteration):
+    """One dispatch + combine with fresh routing and token count; checks the echo exactly."""
+    K, E, H = buffer.top_k, buffer.num_experts, buffer.hidden
+    tokens = int(torch.randint(0, buffer.max_tokens_per_rank + 1, (1,), generator=gen))
+    x = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
+    topk_idx, topk_weights = primemoe.route(torch.randn(tokens, E, generator=gen), K)
+    topk_idx = topk_idx.masked_fill(torch.rand(tokens, K, generator=gen) < 0.1, -1).to(device)
+    topk_weights = topk_weights.to(device)
+
+    _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
+    buffer.combine(buffer.region("recv_rows").clone(), offsets, buffer.region("recv_weights").clone())
+    valid = slot_valid.view(-1)
+    rows = buffer.region("combine_rows")[:tokens * K][valid]
+    scalars = buffer.region("combine_scalars")[:tokens * K][valid]
+    assert torch.equal(valid, (topk_idx >= 0).view(-1)), f"iteration {iteration}: slot_valid"
+    assert torch.equal(rows, x.repeat_interleave(K, 0)[valid]), f"iteration {iteration}: echoed rows"
+    assert torch.equal(scalars, topk_weights.view(-1)[valid]), f"iteration {iteration}: echoed scalars"
+    # Every routed slot of every rank was received exactly once somewhere.
+    sent_received = torch.stack([valid.sum(), offsets[-1].long()])
+    dist.all_reduce(sent_received)
+    assert sent_received[0] == sent_received[1], f"iteration {iteration}: sent {sent_received.tolist()}"
+
+
+def soak(rank, world, sizes, iterations, out_dir):
+    with nccl_rank(rank, world) as device, primemoe.Buffer(dist.group.WORLD, **sizes) as buffer:
+        gen = torch.Generator().manual_seed(1000 + rank)
+        steady_from = 10
+        for iteration in range(iterations):
+            if iteration == steady_from:
+                allocated = torch.cuda.memory_allocated(device)
+            _soak_iteration(buffer, gen, device, iteration)
+        primemoe.check_errors()
+        torch.save({"iterations": iterations, "allocated": (allocated, torch.cuda.memory_allocated(device))},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
