@@ -18,6 +18,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _slots(x, topk_idx, topk_weights, w1):
+    """Per-slot views shared by forward and backward: (expert id, weight, token) of each slot t*K+k."""
+    E = w1.shape[0]
+    flat_idx = topk_idx.reshape(-1).long()
+    if flat_idx.numel() and (bool((flat_idx < -1).any()) or bool((flat_idx >= E).any())):
+        bad = flat_idx[(flat_idx < -1) | (flat_idx >= E)][0].item()
+        raise ValueError(f"topk_idx holds expert id {bad}, outside [-1, {E})")
+    flat_w = topk_weights.reshape(-1).to(compute_dtype(x.dtype))
+    token_of_slot = torch.arange(topk_idx.numel(), device=x.device) // topk_idx.shape[1]
+    return flat_idx, flat_w, token_of_slot
+
+
 def moe(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -30,17 +42,10 @@ def moe(
     Slots with ``topk_idx == -1`` add nothing. Ids outside ``[-1, E)`` raise.
     """
     T, H = x.shape
-    K = topk_idx.shape[1]
     E, two_i, _ = w1.shape
     inter = two_i // 2
     acc = compute_dtype(x.dtype)
-
-    flat_idx = topk_idx.reshape(-1).long()
-    if flat_idx.numel() and (bool((flat_idx < -1).any()) or bool((flat_idx >= E).any())):
-        bad = flat_idx[(flat_idx < -1) | (flat_idx >= E)][0].item()
-        raise ValueError(f"topk_idx holds expert id {bad}, outside [-1, {E})")
-    flat_w = topk_weights.reshape(-1).to(acc)
-    token_of_slot = torch.arange(T * K, device=x.device) // K
+    flat_idx, flat_w, token_of_slot = _slots(x, topk_idx, topk_weights, w1)
 
     y = torch.zeros(T, H, dtype=acc, device=x.device)
     xa = x.to(acc)
@@ -68,9 +73,7 @@ def moe_backward(dy, x, topk_idx, topk_weights, w1, w2):
     E, two_i, _ = w1.shape
     inter = two_i // 2
     acc = compute_dtype(x.dtype)
-    flat_idx = topk_idx.reshape(-1).long()
-    flat_w = topk_weights.reshape(-1).to(acc)
-    token_of_slot = torch.arange(T * K, device=x.device) // K
+    flat_idx, flat_w, token_of_slot = _slots(x, topk_idx, topk_weights, w1)
     xa, dya = x.to(acc), dy.to(acc)
     dx = torch.zeros(T, H, dtype=acc, device=x.device)
     d_weights = torch.zeros(T * K, dtype=acc, device=x.device)
