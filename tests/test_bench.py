@@ -35,7 +35,7 @@ def test_dry_run_lists_cases():
     by_label = {" ".join(c.split()[:5]): c for c in cases}
     assert by_label["qwen3-30b-a3b T=4096 EP=1 bf16 reference"].endswith("run")
     assert "n/a" in by_label["qwen3-30b-a3b T=8192 EP=1 bf16 reference"]  # above the smallest token count
-    assert "n/a" in by_label["qwen3-30b-a3b T=4096 EP=2 bf16 primemoe"]
+    assert by_label["qwen3-30b-a3b T=4096 EP=2 bf16 primemoe"].endswith("run")  # through primemoe.Buffer
     assert "n/a" in by_label["qwen3-30b-a3b T=4096 EP=2 bf16 reference"]
     assert by_label["qwen3-30b-a3b T=8192 EP=2 bf16 baseline"].endswith("run")
 
@@ -82,9 +82,93 @@ def test_table_formats_results():
     cases = bench.build_cases(args)
     ok = bench._result(cases[0], "ok", fwd_ms=1.0, bwd_ms=2.0, fwd_tflops=10.0, bwd_tflops=20.0,
                        routed_rows=128, remote_rows=0)
-    na = bench._result(cases[4], "n/a", cases[4].skip)
-    assert cases[4].impl == "primemoe" and cases[4].ep == 2
+    na = bench._result(cases[5], "n/a", cases[5].skip)
+    assert cases[5].impl == "reference" and cases[5].ep == 2
     text = bench.format_table([ok, na])
-    assert "1.000" in text and "n/a: EP>1 needs primemoe.Buffer" in text
+    assert "1.000" in text and "n/a: single GPU only" in text
     md = bench.format_table([ok, na], markdown=True)
+    assert md.count("\n") == 3 and md.startswith("| shape |")
+
+
+def test_dry_run_lists_comm_cases_with_sm_counts():
+    out = _run_bench("--dry-run", "--comm", "--shapes", "qwen3-30b-a3b", "--tokens", "4096", "8192", "--ep", "1", "2")
+    assert out.returncode == 0, out.stderr
+    lines = [line.strip() for line in out.stdout.splitlines()]
+    assert lines[0].startswith("skip EP=1:") and "EP > 1" in lines[0]
+    assert lines[1] == "10 communication cases (routed bytes per rank and direction):"
+    labels = [" ".join(c.split("  ")[0].split()) for c in lines[2:]]
+    assert labels == [f"qwen3-30b-a3b T={t} EP=2 {impl}" for impl in
+                      ("primemoe 8 SMs", "primemoe 16 SMs", "primemoe 24 SMs", "nccl", "symm_mem") for t in (4096, 8192)]
+    assert all(c.endswith("run") for c in lines[2:])
+    assert "268.4 MB" in lines[3]  # 8192 tokens x 8 slots x 2048 x 2 bytes
+
+
+def test_dry_run_comm_options():
+    out = _run_bench("--dry-run", "--comm", "--shapes", "qwen3-30b-a3b", "deepseek-v3", "--tokens", "16",
+                     "--ep", "2", "3", "--num-sms", "12")
+    assert out.returncode == 0, out.stderr
+    cases = [line.strip() for line in out.stdout.splitlines()[1:]]
+    assert len(cases) == 12 and not any("skip EP=1" in line for line in out.stdout.splitlines())
+    assert sum("primemoe 12 SMs" in c for c in cases) == 4 and not any("24 SMs" in c for c in cases)
+    assert all("do not split over EP=3" in c for c in cases if "EP=3" in c)
+    # symm_mem runs in processes of its own: its cases come after the others of the same EP size.
+    ep2 = [c for c in cases if "EP=2" in c]
+    assert [("symm_mem" in c) for c in ep2] == [False] * 4 + [True] * 2
+
+
+def test_comm_bytes():
+    topk_idx = torch.tensor([[0, 3], [2, -1], [1, 2], [-1, 1]])  # 2 experts per rank
+    remote = bench.remote_rows(topk_idx, experts_per_rank=2, rank=0)
+    assert bench.direction_bytes(remote, hidden=8) == 3 * 8 * 2
+    assert bench.direction_bytes(int((topk_idx >= 0).sum()), hidden=8) == 6 * 8 * 2  # incl. the local copy
+    assert bench.nvlink_bytes(remote, hidden=8) == 2 * bench.direction_bytes(remote, hidden=8)
+
+
+def _comm_cases(*argv):
+    return bench.build_comm_cases(bench.parse_args(["--comm", "--shapes", "qwen3-30b-a3b", *argv]))
+
+
+def test_comm_summary_is_slowest_rank_then_median():
+    case = next(c for c in _comm_cases("--tokens", "8192", "--ep", "2") if c.num_sms == 8)
+    H = bench.SHAPES["qwen3-30b-a3b"][0]
+    outcomes = [dict(fwd=[1.0, 0.5, 0.5], bwd=[2.0, 2.0, 1.0], routed_rows=100, remote_rows=40),
+                dict(fwd=[0.2, 1.0, 0.5], bwd=[1.0, 3.0, 4.0], routed_rows=100, remote_rows=60)]
+    r = bench._summarize(case, outcomes)
+    assert r["status"] == "ok" and r["num_sms"] == 8 and r["impl"] == "primemoe"
+    assert r["dispatch_ms"] == 1.0 and r["combine_ms"] == 3.0  # per-iteration max: [1, 1, .5], [2, 3, 4]
+    assert r["remote_mb"] == 50 * H * 2 / 1e6 and r["total_mb"] == 100 * H * 2 / 1e6
+    assert r["dispatch_gbps"] == pytest.approx(50 * H * 2 / 1.0 / 1e6)
+    assert r["combine_gbps"] == pytest.approx(50 * H * 2 / 3.0 / 1e6)
+    assert r["target"] == ">= 300: missed"
+    line = case.summary(r)
+    assert "dispatch 1.000 ms" in line and "target >= 300: missed" in line
+
+
+def test_comm_targets():
+    cases = {(c.impl, c.num_sms, c.tokens): c for c in _comm_cases("--tokens", "4096", "8192", "--ep", "2",
+                                                                   "--num-sms", "24", "32")}
+    assert bench.comm_target(cases["primemoe", 24, 8192], 310.0) == ">= 300: met"
+    assert bench.comm_target(cases["primemoe", 24, 4096], 310.0) is None  # below 8192 tokens
+    assert bench.comm_target(cases["primemoe", 32, 8192], 310.0) is None  # more than 24 SMs
+    assert "255" in bench.comm_target(cases["nccl", None, 8192], 200.0)
+    assert bench.comm_target(cases["symm_mem", None, 8192], 200.0) is None
+
+
+def test_symm_mem_failure_is_na_and_comm_table():
+    cases = _comm_cases("--tokens", "16", "--ep", "2")
+    symm = next(c for c in cases if c.impl == "symm_mem")
+    na = bench._summarize(symm, [{"error": "RuntimeError: no NVSHMEM", "status": symm.spec().failure},
+                                 {"error": "RuntimeError: no NVSHMEM", "status": "n/a"}])
+    assert na["status"] == "n/a" and na["note"] == "rank 0: RuntimeError: no NVSHMEM"
+    nccl = next(c for c in cases if c.impl == "nccl")
+    failed = bench._summarize(nccl, [{"fwd": [1.0], "bwd": [1.0], "routed_rows": 1, "remote_rows": 1},
+                                     {"error": "RuntimeError: boom", "status": nccl.spec().failure}])
+    assert failed["status"] == "error" and failed["note"] == "rank 1: RuntimeError: boom"
+    ok = bench._result(cases[0], "ok", dispatch_ms=0.5, dispatch_gbps=310.0, combine_ms=0.6, combine_gbps=290.0,
+                       remote_mb=150.0, total_mb=300.0, target=">= 300: missed")
+    text = bench.format_table([ok, na, failed], columns=bench.COMM_COLUMNS)
+    lines = text.splitlines()
+    assert "dispatch GB/s" in lines[0] and "310.0" in lines[2] and ">= 300: missed" in lines[2]
+    assert lines[3].count("n/a") >= 7 and lines[3].endswith("n/a: rank 0: RuntimeError: no NVSHMEM")
+    md = bench.format_table([ok, na], markdown=True, columns=bench.COMM_COLUMNS)
     assert md.count("\n") == 3 and md.startswith("| shape |")
