@@ -2,7 +2,7 @@
 # One device call: build primemoe on the GPU machine (no network there: the
 # nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
 # the benchmark. Logs and results land in $OUT (default ./gpu-out).
-#   scripts/gpu_run.sh [tests|main|bench|sanitize|sass ...]   (default: all)
+#   scripts/gpu_run.sh [tests|main|bench|comm|sanitize|sass ...]   (default: tests main bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -29,6 +29,8 @@ for step in $STEPS; do
     main) $PY -m primemoe 2>&1 | tee "$OUT/main.log" ;;
     bench) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 2 \
              --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    comm) $PY -m primemoe.bench --comm --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
+            --out "$OUT/comm" 2>&1 | tee "$OUT/comm.log" | tail -30 ;;
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py > "$OUT/sanitize-$tool.log" 2>&1

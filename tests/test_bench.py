@@ -97,8 +97,8 @@ def test_dry_run_lists_comm_cases_with_sm_counts():
     assert lines[0].startswith("skip EP=1:") and "EP > 1" in lines[0]
     assert lines[1] == "10 communication cases (routed bytes per rank and direction):"
     labels = [" ".join(c.split("  ")[0].split()) for c in lines[2:]]
-    assert labels == [f"qwen3-30b-a3b T={t} EP=2 {impl}" for impl in
-                      ("primemoe 8 SMs", "primemoe 16 SMs", "primemoe 24 SMs", "nccl", "symm_mem") for t in (4096, 8192)]
+    impls = ("primemoe 8 SMs", "primemoe 16 SMs", "primemoe 24 SMs", "nccl", "symm_mem")
+    assert labels == [f"qwen3-30b-a3b T={t} EP=2 {impl}" for impl in impls for t in (4096, 8192)]
     assert all(c.endswith("run") for c in lines[2:])
     assert "268.4 MB" in lines[3]  # 8192 tokens x 8 slots x 2048 x 2 bytes
 

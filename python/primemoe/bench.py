@@ -218,9 +218,9 @@ class _SymmMemComm:
             os.environ.update(nvshmem_environment(os.environ, [socket.gethostname()], (1 + world) * elems * 2)[0])
             symm_mem.set_backend("NVSHMEM")
             empty = partial(symm_mem.empty, device=inp.x.device)
-            _SymmMemComm.buffers = (
-                empty(elems, dtype=torch.bfloat16), empty(world * elems, dtype=torch.bfloat16),
-                {d: (empty(world, dtype=torch.int64), empty(2, world, dtype=torch.int64)) for d in ("dispatch", "combine")})
+            splits = {d: (empty(world, dtype=torch.int64), empty(2, world, dtype=torch.int64))
+                      for d in ("dispatch", "combine")}
+            _SymmMemComm.buffers = (empty(elems, dtype=torch.bfloat16), empty(world * elems, dtype=torch.bfloat16), splits)
         send_flat, recv_flat, self.splits = self.buffers
         send, send_counts, recv_counts = _routed_rows(inp, group)
         # Views of the symmetric tensors: the op finds their allocation through the storage.
@@ -779,10 +779,11 @@ def main(argv=None) -> int:
         print(COMM_TARGETS, flush=True)
     results, gpus = [], torch.cuda.device_count()
     # One set of processes per EP size; symm_mem's cases get their own (see _SymmMemComm).
-    for (ep, _), block in itertools.groupby(cases, key=lambda c: (c.ep, c.impl == "symm_mem")):
+    for (ep, symm_mem), block in itertools.groupby(cases, key=lambda c: (c.ep, c.impl == "symm_mem")):
         block = list(block)
         if ep > gpus:
-            print(f"skip EP={ep}: needs {ep} GPUs, {gpus} visible", flush=True)
+            if not symm_mem:  # one line per EP size
+                print(f"skip EP={ep}: needs {ep} GPUs, {gpus} visible", flush=True)
             results += [_result(c, "n/a", c.skip) if c.skip else _result(c, "skipped", f"needs {ep} GPUs, {gpus} visible")
                         for c in block]
         elif ep == 1:
