@@ -14,7 +14,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers the torch.ops.primemoe kernels)
 from . import baseline, ep, reference
-from ._validate import check_moe_inputs, debug_enabled
+from ._validate import check_moe_inputs
 from .buffer import Buffer
 from .routing import route
 
