@@ -338,9 +338,15 @@ EpConfig ep_config(int64_t rank, int64_t world, int64_t max_tokens, int64_t hidd
   return c;
 }
 
-int64_t ep_workspace_bytes_op(int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t local_experts,
-                              int64_t row_align) {
-  return static_cast<int64_t>(ep_layout(ep_config(0, world, max_tokens, hidden, top_k, local_experts, row_align)).total);
+// Byte offsets of the regions in declaration order, then the total: the Python views
+// take them from here so the layout is defined once.
+std::vector<int64_t> ep_workspace_layout_op(int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k,
+                                            int64_t local_experts, int64_t row_align) {
+  const EpLayout l = ep_layout(ep_config(0, world, max_tokens, hidden, top_k, local_experts, row_align));
+  const size_t fields[] = {l.count_matrix, l.count_flags, l.expert_arrivals,
+                           l.combine_flags, l.recv_rows, l.recv_meta, l.recv_weights, l.combine_rows,
+                           l.combine_scalars, l.scratch, l.total};
+  return std::vector<int64_t>(std::begin(fields), std::end(fields));
 }
 
 at::Tensor ep_workspace_alloc_op(int64_t nbytes) {
@@ -496,8 +502,9 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("nvshmem_init(Tensor unique_id, int rank, int world) -> ()", &nvshmem_init_op);
   m.def("nvshmem_finalize() -> ()", &nvshmem_finalize_op);
   m.def(
-      "ep_workspace_bytes(int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align) -> int",
-      &ep_workspace_bytes_op);
+      "ep_workspace_layout(int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align) "
+      "-> int[]",
+      &ep_workspace_layout_op);
   m.def("ep_workspace_alloc(int nbytes) -> Tensor", &ep_workspace_alloc_op);
   m.def("ep_workspace_free(Tensor workspace) -> ()", &ep_workspace_free_op);
   m.def(

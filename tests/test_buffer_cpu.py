@@ -61,10 +61,13 @@ def test_regions_are_views_at_their_offsets():
     dict(world=8, max_tokens=4096, hidden=7168, top_k=8, local_experts=32, row_align=1),
     dict(world=4, max_tokens=17, hidden=2048, top_k=6, local_experts=5, row_align=128),
 ])
-def test_layout_size_matches_the_native_layout(sizes):
-    _, total = ep_layout(EpConfig(**sizes))
-    assert total == torch.ops.primemoe.ep_workspace_bytes(
-        sizes["world"], sizes["max_tokens"], sizes["hidden"], sizes["top_k"], sizes["local_experts"], sizes["row_align"])
+def test_regions_are_aligned_disjoint_and_fit(sizes):
+    layout, total = ep_layout(EpConfig(**sizes))
+    end = 0
+    for name, (offset, dtype, shape) in layout.items():
+        assert offset % 16 == 0 and offset >= end, name
+        end = offset + torch.Size(shape).numel() * dtype.itemsize
+    assert end <= total and total % 16 == 0
 
 
 def test_ep_region_rejects_unknown_names_and_small_workspaces():

@@ -56,13 +56,10 @@ class EpConfig:
         return self.world * self.max_slots + self.local_experts * (self.row_align - 1)
 
 
-def _align16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
 def ep_layout(config: EpConfig) -> Tuple[Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]], int]:
-    """``({name: (byte offset, dtype, shape)}, total bytes)``, mirroring ``ep_layout`` of
-    csrc/runtime/ep_workspace.cuh: regions in declaration order, each 16-byte aligned."""
+    """``({name: (byte offset, dtype, shape)}, total bytes)`` of the workspace. The offsets come
+    from the kernels' own layout (csrc/runtime/ep_workspace.cuh, via ``ep_workspace_layout``);
+    this table only names the regions' element types and shapes, in declaration order."""
     W, E, H = config.world, config.local_experts, config.hidden
     R, S = config.max_recv_rows, config.max_slots
     regions = (
@@ -77,14 +74,12 @@ def ep_layout(config: EpConfig) -> Tuple[Dict[str, Tuple[int, torch.dtype, Tuple
         ("combine_scalars", torch.float32, (S,)),
         ("scratch", torch.int32, (4, W * E)),
     )
-    layout, at = {}, 0
-    for name, dtype, shape in regions:
-        layout[name] = (at, dtype, shape)
-        numel = 1
-        for n in shape:
-            numel *= n
-        at = _align16(at + numel * dtype.itemsize)
-    return layout, at
+    *offsets, total = lib.ep_workspace_layout(W, config.max_tokens, H, config.top_k, E, config.row_align)
+    if len(offsets) != len(regions):
+        raise RuntimeError(f"workspace layout: the extension names {len(offsets)} regions, this module "
+                           f"{len(regions)}; python/ and the built extension are out of step")
+    layout = {name: (offset, dtype, shape) for (name, dtype, shape), offset in zip(regions, offsets)}
+    return layout, total
 
 
 def ep_region(workspace: torch.Tensor, name: str, world: int, max_tokens: int, hidden: int, top_k: int,
@@ -227,8 +222,6 @@ class Buffer:
         self.num_sms = num_sms
         self.device = torch.device("cuda", torch.cuda.current_device())
         layout, self.nbytes = ep_layout(config)
-        native = lib.ep_workspace_bytes(world, max_tokens_per_rank, hidden, top_k, config.local_experts, row_align)
-        assert native == self.nbytes, f"workspace layout: Python says {self.nbytes} bytes, C++ says {native}"
 
         ranks = tuple(dist.get_process_group_ranks(group))
         if _bootstrap is not None and _bootstrap != (ranks, self.device.index):
