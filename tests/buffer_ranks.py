@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ep_harness import rank_problem
-from helpers import Outputs, Problem, run_moe
+from helpers import Outputs, Problem, graph_replays, run_moe
 
 import primemoe
 
@@ -132,39 +132,6 @@ def _layered(moe, first: Problem, second: Problem):
     return [Outputs(ys[0].detach(), *grads[:4]), Outputs(ys[1].detach(), *grads[4:])]
 
 
-def _graph_replays(moe, static_problem: Problem, replay_problems):
-    """Forward+backward captured once, replayed on new values and routings; eager runs alongside."""
-    leaves = _leaves(static_problem)
-    static_x, static_tw, static_w1, static_w2 = leaves
-    static_idx, static_dy = static_problem.topk_idx.clone(), static_problem.dy.clone()
-
-    def step():
-        y = moe(static_x, static_idx, static_tw, static_w1, static_w2)
-        return (y, *torch.autograd.grad(y, leaves, static_dy))
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-
-    results = []
-    for problem in replay_problems:
-        with torch.no_grad():
-            for static, new in zip((static_x, static_tw, static_w1, static_w2, static_idx, static_dy),
-                                   (problem.x, problem.topk_weights, problem.w1, problem.w2, problem.topk_idx,
-                                    problem.dy)):
-                static.copy_(new)
-        graph.replay()
-        replayed = Outputs(*(t.clone() for t in static_out))
-        results.append((_cpu(replayed), _cpu(run_moe(moe, problem))))
-    return results
-
-
 def moe_cases(rank, world, cases_path, out_dir):
     """Every case through one Buffer, then: a repeat (bitwise), two layers sharing the buffer,
     and CUDA-graph replay against eager."""
@@ -182,7 +149,8 @@ def moe_cases(rank, world, cases_path, out_dir):
             results["repeat"] = _cpu(run_moe(moe, mine(data["cases"][repeat])))
             results["layered"] = [_cpu(o) for o in _layered(moe, *(mine(data["cases"][n]) for n in layered))]
             graph = data["graph"]
-            results["graph"] = _graph_replays(moe, mine(graph["static"]), [mine(c) for c in graph["replays"]])
+            results["graph"] = [(_cpu(replayed), _cpu(eager)) for replayed, eager in
+                                graph_replays(moe, mine(graph["static"]), [mine(c) for c in graph["replays"]])]
             primemoe.check_errors()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -22,6 +22,18 @@ from naive import composite
 import primemoe
 
 
+# Two-rank cases shared by the NCCL baseline and the NVSHMEM Buffer tests.
+EP_CASES = {
+    "different_T": dict(tokens_per_rank=(300, 17), routing="uniform"),
+    "different_T_masked": dict(tokens_per_rank=(300, 17), routing="masked"),
+    "skewed": dict(tokens_per_rank=(1024, 333), routing="skewed"),
+    "rank0_without_tokens": dict(tokens_per_rank=(0, 64), routing="uniform"),
+    "rank1_without_tokens": dict(tokens_per_rank=(64, 0), routing="uniform"),
+    "one_expert": dict(tokens_per_rank=(200, 50), routing="one_expert"),
+    "empty_experts": dict(tokens_per_rank=(100, 100), routing="empty_experts"),
+}
+
+
 def prepare_spawn(monkeypatch, **env):
     """Rendezvous address and ``env`` for the ranks to inherit; they also inherit sys.path,
     so the primemoe this process imported goes first (another test may have put a source tree there)."""

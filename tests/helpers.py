@@ -119,6 +119,42 @@ def run_moe(fn, problem: Problem, dtype=None) -> Outputs:
     return Outputs(y.detach(), *grads)
 
 
+def graph_replays(moe, static_problem: Problem, replay_problems):
+    """Forward+backward of ``moe`` captured once in a CUDA graph, then replayed on each of
+    ``replay_problems`` (new values and routings copied into the static inputs). Returns
+    ``[(replayed Outputs, eager Outputs)]``: nothing about the first routing may be baked in."""
+    leaves = [t.detach().clone().requires_grad_() for t in (static_problem.x, static_problem.topk_weights,
+                                                             static_problem.w1, static_problem.w2)]
+    static_x, static_tw, static_w1, static_w2 = leaves
+    static_idx, static_dy = static_problem.topk_idx.clone(), static_problem.dy.clone()
+
+    def step():
+        y = moe(static_x, static_idx, static_tw, static_w1, static_w2)
+        return (y, *torch.autograd.grad(y, leaves, static_dy))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    results = []
+    for problem in replay_problems:
+        with torch.no_grad():
+            for static, new in zip((static_x, static_tw, static_w1, static_w2, static_idx, static_dy),
+                                   (problem.x, problem.topk_weights, problem.w1, problem.w2, problem.topk_idx,
+                                    problem.dy)):
+                static.copy_(new)
+        graph.replay()
+        replayed = Outputs(*(t.clone() for t in static_out))
+        results.append((replayed, run_moe(moe, problem)))
+    return results
+
+
 def reference64(problem: Problem) -> Outputs:
     """``primemoe.reference.moe`` in fp64 with autograd: the yardstick of the tolerance rule."""
     return run_moe(primemoe.reference.moe, problem, dtype=torch.float64)

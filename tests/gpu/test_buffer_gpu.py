@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from buffer_ranks import buffer_sizes, dispatch_cases, moe_cases, single_rank_lifecycle, soak, spawn_ranks
-from ep_harness import prepare_spawn
+from ep_harness import EP_CASES, prepare_spawn
 from helpers import OUTPUT_NAMES, Outputs, Problem, assert_moe_outputs_match, make_problem, reference64
 from naive import composite
 
@@ -174,13 +174,7 @@ def test_dispatch_reports_bad_ids_of_the_sending_rank(dispatch_results):
 # ---------------------------------------------------------------- two ranks: moe(buffer=...)
 
 MOE_CASES = {
-    "different_T": dict(tokens_per_rank=(300, 17), routing="uniform"),
-    "different_T_masked": dict(tokens_per_rank=(300, 17), routing="masked"),
-    "skewed": dict(tokens_per_rank=(1024, 333), routing="skewed"),
-    "rank0_without_tokens": dict(tokens_per_rank=(0, 64), routing="uniform"),
-    "rank1_without_tokens": dict(tokens_per_rank=(64, 0), routing="uniform"),
-    "one_expert": dict(tokens_per_rank=(200, 50), routing="one_expert"),
-    "empty_experts": dict(tokens_per_rank=(100, 100), routing="empty_experts"),
+    **EP_CASES,
     "all_skipped": dict(tokens_per_rank=(50, 30), routing="all_skipped"),
     "int32_ids_bf16_weights": dict(tokens_per_rank=(128, 77), routing="masked", idx_dtype=torch.int32,
                                    weight_dtype=torch.bfloat16),

@@ -3,21 +3,13 @@ single-process fp64 reference of the concatenated problem."""
 
 import pytest
 
-from ep_harness import prepare_spawn, run_ep_case
+from ep_harness import EP_CASES, prepare_spawn, run_ep_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
 SHAPE = (256, 128, 8, 2)  # H, I, E (E_local = 4 per rank), K
 
-CASES = {
-    "different_T": dict(tokens_per_rank=(300, 17), routing="uniform"),
-    "different_T_masked": dict(tokens_per_rank=(300, 17), routing="masked"),
-    "skewed": dict(tokens_per_rank=(1024, 333), routing="skewed"),
-    "rank0_without_tokens": dict(tokens_per_rank=(0, 64), routing="uniform"),
-    "rank1_without_tokens": dict(tokens_per_rank=(64, 0), routing="uniform"),
-    "one_expert": dict(tokens_per_rank=(200, 50), routing="one_expert"),
-    "empty_experts": dict(tokens_per_rank=(100, 100), routing="empty_experts"),
-}
+CASES = EP_CASES
 
 
 @pytest.mark.parametrize("case", CASES)

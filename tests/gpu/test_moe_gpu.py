@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from helpers import (OUTPUT_NAMES, REFERENCE_SHAPES, ROUTINGS, ExpertLayer, assert_close_to_reference,
                      assert_contract_zeros, assert_error_within, assert_moe_outputs_match, assert_outputs_equal,
-                     make_problem, reference64, run_module, run_moe)
+                     graph_replays, make_problem, reference64, run_module, run_moe)
 from naive import composite
 
 import primemoe
@@ -140,36 +140,12 @@ def test_poisoned_memory_is_fully_overwritten(impl, routing):
 
 
 def test_cuda_graph_replay_matches_eager():
-    first = small_problem(1000, "uniform", seed=6)
-    leaves = [t.detach().clone().requires_grad_() for t in (first.x, first.topk_weights, first.w1, first.w2)]
-    static_x, static_tw, static_w1, static_w2 = leaves
-    static_idx, static_dy = first.topk_idx.clone(), first.dy.clone()
-
-    def step():
-        y = primemoe.moe(static_x, static_idx, static_tw, static_w1, static_w2)
-        return (y, *torch.autograd.grad(y, leaves, static_dy))
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-
-    # New values and new routings replayed through the same graph: nothing may be baked in.
-    for seed, routing in [(7, "uniform"), (8, "skewed"), (9, "masked"), (10, "one_expert")]:
-        problem = small_problem(1000, routing, seed=seed)
-        with torch.no_grad():
-            for static, new in zip((static_x, static_tw, static_w1, static_w2, static_idx, static_dy),
-                                   (problem.x, problem.topk_weights, problem.w1, problem.w2, problem.topk_idx, problem.dy)):
-                static.copy_(new)
-        graph.replay()
-        eager = run_moe(primemoe.moe, problem)
-        for name, replayed in zip(OUTPUT_NAMES, static_out):
-            assert torch.equal(replayed, getattr(eager, name)), f"{name}: graph replay ({routing}) != eager"
+    routings = ["uniform", "skewed", "masked", "one_expert"]
+    replays = [small_problem(1000, routing, seed=seed) for seed, routing in enumerate(routings, start=7)]
+    results = graph_replays(primemoe.moe, small_problem(1000, "uniform", seed=6), replays)
+    for routing, (replayed, eager) in zip(routings, results):
+        for name in OUTPUT_NAMES:
+            assert torch.equal(getattr(replayed, name), getattr(eager, name)), f"{name}: graph replay ({routing}) != eager"
 
 
 @pytest.mark.parametrize("tokens", [17, 4095])
