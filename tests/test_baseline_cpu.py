@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from ep_harness import prepare_spawn, run_ep_case
-from helpers import assert_moe_outputs_match, make_problem, run_moe
+from helpers import Outputs, assert_moe_outputs_match, make_problem, run_moe
 from naive import composite, naive64
 
 import primemoe
+from primemoe import ops
 
 
 def _cpu_grouped_mm_available() -> bool:
@@ -45,6 +46,19 @@ def test_baseline_matches_reference(case):
     out = run_moe(primemoe.baseline.moe, problem)
     assert out.y.dtype == torch.bfloat16
     assert_moe_outputs_match(out, naive64(problem), composite(problem), problem)
+
+
+@pytest.mark.parametrize("keep_fc1", [True, False])
+@pytest.mark.parametrize("case", ["uniform", "masked", "empty_experts", "no_tokens", "int32_ids"])
+def test_cuda_op_path_composition_on_cpu(case, keep_fc1):
+    """The CUDA implementations of moe_forward/moe_backward are compositions of primitives that
+    also have CPU kernels: run them here so their wiring is checked in CI, not only on a GPU."""
+    p = make_problem(**SHAPE, **CASES[case], seed=5)
+    y, fc1_out = ops._moe_forward_cuda(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, "bf16", keep_fc1)
+    assert fc1_out.shape[0] == (p.topk_idx.numel() if keep_fc1 else 0)
+    grads = ops._moe_backward_cuda(p.dy, p.x, p.topk_idx, p.topk_weights, p.w1, p.w2,
+                                   fc1_out if keep_fc1 else None, "bf16")
+    assert_moe_outputs_match(Outputs(y, *grads), naive64(p), composite(p), p)
 
 
 def test_baseline_forward_backward_halves_match_autograd():

@@ -57,6 +57,14 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     return dh
 
 
+def grouped_wgrad(lhs_rows: torch.Tensor, rhs_rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """[E, m, n]: per expert, the sum over its rows of lhs_row^T rhs_row. A grouped GEMM over an
+    empty row range need not write its output block, so experts without rows are zeroed."""
+    dw = torch._grouped_mm(lhs_rows.t(), rhs_rows, offs=ends)
+    empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+    return dw.masked_fill_(empty.view(-1, 1, 1), 0)
+
+
 def _expert_mlp(xs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor):
     h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
     o = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
@@ -69,11 +77,7 @@ def _expert_mlp_backward(xs, h, do, w1, w2, ends):
     da = torch._grouped_mm(do, w2, offs=ends)
     dh = swiglu_backward(h, da)
     dxs = torch._grouped_mm(dh, w1, offs=ends)
-    dw2 = torch._grouped_mm(do.t(), a, offs=ends)
-    dw1 = torch._grouped_mm(dh.t(), xs, offs=ends)
-    # A grouped GEMM over an empty token range need not write its output block.
-    empty = (torch.diff(ends, prepend=ends.new_zeros(1)) == 0).view(-1, 1, 1)
-    return dxs, dw1.masked_fill_(empty, 0), dw2.masked_fill_(empty, 0)
+    return dxs, grouped_wgrad(dh, xs, ends), grouped_wgrad(do, a, ends)
 
 
 def _mask_rows(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from ._validate import check_moe_inputs
-from .baseline import swiglu, swiglu_backward
-from .ops import _zero_empty_experts
+from .baseline import swiglu
+from .ops import weighted_expert_backward
 
 lib = torch.ops.primemoe
 
@@ -84,25 +84,19 @@ class _ExpertParallelMoE(torch.autograd.Function):
         # Same routing as the forward, hence the same receive layout: dy's rows line up with xs and h.
         # The views below are read before this rank's next dispatch, and no rank writes into this
         # rank's receive region before that dispatch has exchanged its counts: no copies needed.
-        counts, offsets, slot_valid = buffer.dispatch(dy.contiguous(), topk_idx, topk_weights)
+        _, offsets, slot_valid = buffer.dispatch(dy.contiguous(), topk_idx, topk_weights)
         ends = offsets[1:]
         dy_rows = buffer.region("recv_rows")
         if h is None:
             h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-        a = swiglu(h)
         # Padding rows (meta -1) lie inside the experts' row ranges with stale data: weight 0 keeps them
         # out of dw. Rows past offsets[-1] are in no expert's range and are never sent back.
         row_weight = torch.where(buffer.region("recv_meta") >= 0, buffer.region("recv_weights"), 0.0).unsqueeze(1)
-        # dtw[t,k] = <dy[t], w2 a> = <dy[t] w2, a>: one fp32 dot per received row, sent back as its scalar.
-        da_unweighted = torch._grouped_mm(dy_rows, w2, offs=ends)
+        dxs, dw1, dw2, da_unweighted, a = weighted_expert_backward(xs, h, dy_rows, row_weight, w1, w2, ends)
+        # One fp32 dot per received row, sent back to its slot as the routing-weight gradient.
         every_row = torch.arange(h.shape[0], dtype=torch.int32, device=h.device).unsqueeze(1)
         dtw_rows = lib.slot_dot(da_unweighted, a, every_row).view(-1)
-        dh = swiglu_backward(h, (da_unweighted * row_weight).to(h.dtype))
-        dw2 = torch._grouped_mm(dy_rows.t(), (a.float() * row_weight).to(a.dtype), offs=ends)
-        dxs = torch._grouped_mm(dh, w1, offs=ends)
-        dw1 = torch._grouped_mm(dh.t(), xs, offs=ends)
         buffer.combine(dxs, offsets, dtw_rows)
         dx = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)
         d_topk_weights = torch.where(slot_valid, buffer.region("combine_scalars")[:T * K].view(T, K), 0.0)
-        return (dx, None, d_topk_weights.to(topk_weights.dtype), _zero_empty_experts(dw1, counts),
-                _zero_empty_experts(dw2, counts), None, None, None)
+        return dx, None, d_topk_weights.to(topk_weights.dtype), dw1, dw2, None, None, None

@@ -20,7 +20,7 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from . import reference
-from .baseline import swiglu, swiglu_backward
+from .baseline import grouped_wgrad, swiglu, swiglu_backward
 from ._validate import check_precision
 
 lib = torch.ops.primemoe
@@ -98,7 +98,6 @@ def _fc1_rows_cpu(x, topk_idx, w1):
     return out
 
 
-@torch.library.impl("primemoe::moe_forward", "cpu")
 def _moe_forward_cpu(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_fc1=True):
     check_precision(precision)
     y = reference.moe(x, topk_idx, topk_weights, w1, w2)
@@ -106,7 +105,6 @@ def _moe_forward_cpu(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_f
     return y, fc1
 
 
-@torch.library.impl("primemoe::moe_backward", "cpu")
 def _moe_backward_cpu(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
     check_precision(precision)
     return reference.moe_backward(dy, x, topk_idx, topk_weights, w1, w2)
@@ -115,12 +113,19 @@ def _moe_backward_cpu(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision=
 # ---------------------------------------------------------------- CUDA
 
 
-def _zero_empty_experts(dw, counts):
-    # A grouped GEMM over an empty token range need not write its output block.
-    return dw.masked_fill_((counts == 0).view(-1, 1, 1), 0)
+def weighted_expert_backward(xs, h, dy_rows, row_weight, w1, w2, ends):
+    """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
+    *unweighted* ``dy_rows``. Returns ``(dxs, dw1, dw2, da_unweighted, a)``: the routing-weight
+    gradient of a row is ``<da_unweighted, a>`` (= <dy, FC2 output>), so FC2's output need not be kept."""
+    a = swiglu(h)
+    da_unweighted = torch._grouped_mm(dy_rows, w2, offs=ends)
+    dh = swiglu_backward(h, (da_unweighted * row_weight).to(h.dtype))
+    dw2 = grouped_wgrad(dy_rows, (a.float() * row_weight).to(a.dtype), ends)
+    dxs = torch._grouped_mm(dh, w1, offs=ends)
+    dw1 = grouped_wgrad(dh, xs, ends)
+    return dxs, dw1, dw2, da_unweighted, a
 
 
-@torch.library.impl("primemoe::moe_forward", "cuda")
 def _moe_forward_cuda(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_fc1=True):
     check_precision(precision)
     T, H = x.shape
@@ -137,32 +142,33 @@ def _moe_forward_cuda(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_
     return y, (h if keep_fc1 else h.new_empty(0, two_i))
 
 
-@torch.library.impl("primemoe::moe_backward", "cuda")
 def _moe_backward_cuda(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
     check_precision(precision)
     T, H = x.shape
     K = topk_idx.shape[1]
     E = w1.shape[0]
-    counts, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, 1)
+    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, 1)
     if T * K == 0:
         return (torch.zeros_like(x), torch.zeros(T, K, dtype=torch.float32, device=x.device),
                 torch.zeros_like(w1), torch.zeros_like(w2))
     ends = offsets[1:]
     xs = lib.gather_rows(x, row_to_slot, K, None)
     h = fc1_out if fc1_out is not None and fc1_out.numel() else torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-    a = swiglu(h)
     dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None)
-    # dtw[t,k] = <dy[t], w2 a> = <dy[t] w2, a>: the unweighted FC2 dgrad gives it without keeping FC2's output.
-    da_unweighted = torch._grouped_mm(dy_rows, w2, offs=ends)
-    d_topk_weights = lib.slot_dot(da_unweighted, a, slot_to_row)
     row_weight = topk_weights.reshape(-1).float()[row_to_slot.clamp(min=0).long()]
     row_weight = torch.where(row_to_slot >= 0, row_weight, 0.0).unsqueeze(1)
-    dh = swiglu_backward(h, (da_unweighted * row_weight).to(h.dtype))
-    dw2 = torch._grouped_mm(dy_rows.t(), (a.float() * row_weight).to(a.dtype), offs=ends)
-    dxs = torch._grouped_mm(dh, w1, offs=ends)
-    dw1 = torch._grouped_mm(dh.t(), xs, offs=ends)
+    dxs, dw1, dw2, da_unweighted, a = weighted_expert_backward(xs, h, dy_rows, row_weight, w1, w2, ends)
+    d_topk_weights = lib.slot_dot(da_unweighted, a, slot_to_row)
     dx = lib.combine_reduce(dxs, slot_to_row, None)
-    return dx, d_topk_weights, _zero_empty_experts(dw1, counts), _zero_empty_experts(dw2, counts)
+    return dx, d_topk_weights, dw1, dw2
+
+
+# Registered as plain calls (the decorator form returns None) so the functions stay importable:
+# the CPU tests run the CUDA compositions through the primitives' CPU kernels.
+torch.library.impl("primemoe::moe_forward", "cpu", _moe_forward_cpu)
+torch.library.impl("primemoe::moe_backward", "cpu", _moe_backward_cpu)
+torch.library.impl("primemoe::moe_forward", "cuda", _moe_forward_cuda)
+torch.library.impl("primemoe::moe_backward", "cuda", _moe_backward_cuda)
 
 
 # ---------------------------------------------------------------- autograd
