@@ -7,8 +7,10 @@ Environment:
 Install with `pip install --no-build-isolation .` so the build sees the torch it runs with.
 """
 
+import concurrent.futures
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,6 +56,8 @@ def extension(archs):
     return CUDAExtension(
         name="primemoe._C",
         sources=sources,
+        # Relink when the separately compiled engine (see compile_engine) changes.
+        depends=[str(p) for p in engine_sources()] + [str(p) for p in (ROOT / "csrc").rglob("*.cuh")],
         include_dirs=includes,
         extra_compile_args={
             "cxx": ["-O3", "-std=c++20", "-DNDEBUG", *late_includes],
@@ -71,6 +75,40 @@ def extension(archs):
     )
 
 
+def engine_sources():
+    return sorted(p for d in ("gemm", "gemm/instantiations") for p in (ROOT / "csrc" / d).glob("*.cu"))
+
+
+def compile_engine(archs, build_temp, jobs):
+    """The expert GEMM engine (csrc/gemm) is compiled apart, as whole-program device code: under
+    -rdc (which NVSHMEM's device library needs for the rest) ptxas ignores setmaxnreg and
+    serialises wgmma. Its objects join the extension at the host link. Returns their paths."""
+    nvcc = str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc")
+    flags = ["-O3", "-std=c++20", "-DNDEBUG", "-lineinfo", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+             *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs],
+             *(["-DPRIMEMOE_HAVE_SM90A"] if "90a" in archs else []),
+             f"-I{ROOT / 'csrc'}", f"-I{locate.cutlass_include()}"]
+    headers = [p for p in (ROOT / "csrc").rglob("*.cuh")]
+    newest_header = max(p.stat().st_mtime for p in headers)
+    out_dir = Path(build_temp).resolve() / "engine"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    todo, objects = [], []
+    for src in engine_sources():
+        obj = out_dir / (src.relative_to(ROOT / "csrc").as_posix().replace("/", "__") + ".o")
+        objects.append(str(obj))
+        if not obj.exists() or obj.stat().st_mtime < max(src.stat().st_mtime, newest_header):
+            todo.append((src, obj))
+
+    def run(job):
+        src, obj = job
+        print(f"primemoe: nvcc {src.relative_to(ROOT)}", flush=True)
+        subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(obj)], check=True)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(run, todo))
+    return objects
+
+
 class Build(BuildExtension):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, use_ninja=shutil.which("ninja") is not None, **kwargs)
@@ -80,6 +118,9 @@ class Build(BuildExtension):
         if jobs:
             os.environ["MAX_JOBS"] = jobs
         print(f"primemoe: building for sm_{', sm_'.join(ARCHS)} with CUDA at {os.environ.get('CUDA_HOME')}", flush=True)
+        objects = compile_engine(ARCHS, self.build_temp, int(jobs) if jobs else (os.cpu_count() or 1))
+        for ext in self.extensions:
+            ext.extra_objects = [*ext.extra_objects, *objects]
         super().build_extensions()
 
 

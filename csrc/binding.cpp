@@ -15,6 +15,7 @@
 
 #include "kernels/dispatch_layout.cuh"
 #include "kernels/error_record.cuh"
+#include "gemm/grouped_gemm.cuh"
 #include "kernels/row_ops.cuh"
 #include "runtime/ep_kernels.cuh"
 #include "runtime/ep_workspace.cuh"
@@ -482,6 +483,245 @@ std::vector<int64_t> take_error_op(int64_t device) {
   return {rec.code, rec.value, rec.limit, rec.index0, rec.index1};
 }
 
+// ---------------------------------------------------------------- expert GEMMs (grouped over the routing layout)
+
+void check_offsets(const at::Tensor& offsets, const at::Tensor& like, int64_t num_experts) {
+  check_index(offsets, "expert_offsets", 1);
+  PRIMEMOE_CHECK(offsets.numel() == num_experts + 1, "expert_offsets: expected ", num_experts + 1,
+                 " entries (one per expert + 1), got ", offsets.numel());
+  PRIMEMOE_CHECK(offsets.device() == like.device(), "expert_offsets: expected it on the operands' device");
+}
+
+void check_weights3(const at::Tensor& w, const char* name) {
+  PRIMEMOE_CHECK(w.dim() == 3, name, ": expected a 3-D tensor [E, out, in], got ", w.sizes());
+  PRIMEMOE_CHECK(w.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", w.scalar_type());
+  PRIMEMOE_CHECK(w.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name) {
+  PRIMEMOE_CHECK(a.device() == b.device(), name, ": expected it on the same device as the rows");
+}
+
+GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at::Tensor& a, const at::Tensor& b,
+                          bool b_k_major, int64_t m, int64_t n, int64_t k, const at::Tensor& offsets,
+                          const at::Tensor& out) {
+  GroupedGemmArgs g{};
+  g.schedule = schedule;
+  g.epilogue = epilogue;
+  g.a = a.data_ptr();
+  g.b = b.data_ptr();
+  g.b_k_major = b_k_major;
+  g.num_rows = a.size(0);
+  g.m = static_cast<int32_t>(m);
+  g.n = static_cast<int32_t>(n);
+  g.k = static_cast<int32_t>(k);
+  g.num_experts = static_cast<int32_t>(offsets.numel() - 1);
+  g.expert_offsets = offsets.data_ptr<int32_t>();
+  g.out = out.data_ptr();
+  g.error = error_record_for(a);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.get_device());
+  g.num_sms = sms;
+  return g;
+}
+
+void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
+  const char* why = "";
+  PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
+  check_cuda(launch_grouped_gemm(g, c10::cuda::getCurrentCUDAStream()), what);
+}
+
+// rows [R, K] x w[e] for each expert's rows: w is [E, N, K] (w_kn = false) or [E, K, N].
+void check_expert_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+  check_rows(rows, "rows");
+  check_weights3(w, "w");
+  check_same_device(w, rows, "w");
+  check_offsets(offsets, rows, w.size(0));
+  const int64_t k = w_kn ? w.size(1) : w.size(2);
+  PRIMEMOE_CHECK(rows.size(1) == k, "rows: expected ", k, " columns (w's reduction size), got ", rows.size(1));
+}
+
+at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+  check_expert_gemm_args(rows, w, offsets, w_kn);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const int64_t n = w_kn ? w.size(2) : w.size(1);
+  auto out = at::empty({rows.size(0), n}, rows.options());
+  if (rows.size(0) == 0) return out;
+  run_gemm(gemm_args(GemmSchedule::kRows, GemmEpilogue::kStore, rows, w, !w_kn, 0, n, rows.size(1), offsets, out),
+           rows, "expert_gemm");
+  return out;
+}
+
+// fp32 products of each expert's rows with its weight; rows outside every expert stay 0.
+at::Tensor expert_products_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+  const int64_t n = w_kn ? w.size(2) : w.size(1);
+  auto out = at::zeros({rows.size(0), n}, rows.options().dtype(at::kFloat));
+  auto off = offsets.accessor<int32_t, 1>();
+  for (int64_t e = 0; e + 1 < offsets.numel(); ++e) {
+    if (off[e + 1] == off[e]) continue;
+    auto we = w_kn ? w[e].to(at::kFloat) : w[e].to(at::kFloat).t();
+    out.slice(0, off[e], off[e + 1]) = at::matmul(rows.slice(0, off[e], off[e + 1]).to(at::kFloat), we);
+  }
+  return out;
+}
+
+at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+  check_expert_gemm_args(rows, w, offsets, w_kn);
+  return expert_products_cpu(rows, w, offsets, w_kn).to(at::kBFloat16);
+}
+
+void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets) {
+  check_expert_gemm_args(rows, w1, offsets, false);
+  PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
+}
+
+std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const at::Tensor& w1,
+                                                   const at::Tensor& offsets, bool keep_fc1) {
+  check_fc1_args(rows, w1, offsets);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const int64_t inter = w1.size(1) / 2;
+  auto a = at::empty({rows.size(0), inter}, rows.options());
+  auto h = at::empty({keep_fc1 ? rows.size(0) : 0, 2 * inter}, rows.options());
+  if (rows.size(0) == 0) return {a, h};
+  auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, rows, w1, true, 0, inter, rows.size(1), offsets, a);
+  g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
+  run_gemm(g, rows, "fc1_swiglu");
+  return {a, h};
+}
+
+std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cpu(const at::Tensor& rows, const at::Tensor& w1,
+                                                  const at::Tensor& offsets, bool keep_fc1) {
+  check_fc1_args(rows, w1, offsets);
+  const int64_t inter = w1.size(1) / 2;
+  auto h = expert_products_cpu(rows, w1, offsets, false).to(at::kBFloat16);
+  auto hf = h.to(at::kFloat);
+  auto a = (at::silu(hf.slice(1, 0, inter)) * hf.slice(1, inter)).to(at::kBFloat16);
+  return {a, keep_fc1 ? h : h.slice(0, 0, 0).contiguous()};
+}
+
+void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const at::Tensor& h,
+                          const at::Tensor& row_weight, const at::Tensor& offsets) {
+  check_expert_gemm_args(dy_rows, w2, offsets, true);
+  check_rows(h, "h");
+  check_same_device(h, dy_rows, "h");
+  const int64_t inter = w2.size(2);
+  PRIMEMOE_CHECK(h.size(0) == dy_rows.size(0) && h.size(1) == 2 * inter, "h: expected [", dy_rows.size(0), ", ",
+                 2 * inter, "], got ", h.sizes());
+  PRIMEMOE_CHECK(row_weight.dim() == 1 && row_weight.numel() == dy_rows.size(0) &&
+                     row_weight.scalar_type() == at::kFloat && row_weight.is_contiguous(),
+                 "row_weight: expected a contiguous float32 vector of ", dy_rows.size(0), " entries");
+  check_same_device(row_weight, dy_rows, "row_weight");
+  PRIMEMOE_CHECK(inter % kGemmTileN == 0, "w2: the intermediate size must be a multiple of ", kGemmTileN, ", got ",
+                 inter);
+}
+
+// dh = d[gate | up] of silu(gate) * up times the row weight, aw = weight * a (FC2's wgrad operand),
+// dot[:, p] = <da, a> over activation columns [256 p, 256 p + 256) (summed into d_topk_weights).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
+                                                                      const at::Tensor& h, const at::Tensor& row_weight,
+                                                                      const at::Tensor& offsets) {
+  check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
+  const c10::cuda::CUDAGuard guard(dy_rows.device());
+  const int64_t rows = dy_rows.size(0);
+  const int64_t inter = w2.size(2);
+  auto dh = at::empty({rows, 2 * inter}, dy_rows.options());
+  auto aw = at::empty({rows, inter}, dy_rows.options());
+  auto dot = at::empty({rows, inter / kGemmTileN}, dy_rows.options().dtype(at::kFloat));
+  if (rows == 0) return {dh, aw, dot};
+  auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLUBackward, dy_rows, w2, false, 0, inter,
+                     dy_rows.size(1), offsets, aw);
+  g.in_h = h.data_ptr();
+  g.row_weight = row_weight.data_ptr<float>();
+  g.out_dh = dh.data_ptr();
+  g.out_aw = aw.data_ptr();
+  g.out_dot = dot.data_ptr<float>();
+  run_gemm(g, dy_rows, "fc2_dgrad_swiglu");
+  return {dh, aw, dot};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cpu(const at::Tensor& dy_rows, const at::Tensor& w2,
+                                                                     const at::Tensor& h, const at::Tensor& row_weight,
+                                                                     const at::Tensor& offsets) {
+  check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
+  const int64_t inter = w2.size(2);
+  auto da = expert_products_cpu(dy_rows, w2, offsets, true);
+  auto hf = h.to(at::kFloat);
+  auto g = hf.slice(1, 0, inter);
+  auto u = hf.slice(1, inter);
+  auto s = at::sigmoid(g);
+  auto a = (g * s * u).to(at::kBFloat16).to(at::kFloat);
+  auto dot = (da * a).view({dy_rows.size(0), inter / kGemmTileN, kGemmTileN}).sum(-1);
+  auto w = row_weight.unsqueeze(1);
+  auto daw = da * w;
+  auto dh = at::cat({daw * u * s * (1 + g * (1 - s)), daw * g * s}, 1).to(at::kBFloat16);
+  return {dh, (a * w).to(at::kBFloat16), dot};
+}
+
+// out[e] = a_rows[rows of e]^T b_rows[rows of e]: the weight gradient, summed over each expert's rows.
+void check_wgrad_args(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets) {
+  check_rows(a_rows, "a_rows");
+  check_rows(b_rows, "b_rows");
+  check_same_device(b_rows, a_rows, "b_rows");
+  PRIMEMOE_CHECK(a_rows.size(0) == b_rows.size(0), "b_rows: expected ", a_rows.size(0), " rows, got ",
+                 b_rows.size(0));
+  check_index(offsets, "expert_offsets", 1);
+  PRIMEMOE_CHECK(offsets.numel() >= 2, "expert_offsets: expected at least one expert");
+  check_same_device(offsets, a_rows, "expert_offsets");
+}
+
+at::Tensor expert_wgrad_cuda(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets) {
+  check_wgrad_args(a_rows, b_rows, offsets);
+  const c10::cuda::CUDAGuard guard(a_rows.device());
+  auto out = at::empty({offsets.numel() - 1, a_rows.size(1), b_rows.size(1)}, a_rows.options());
+  if (a_rows.size(0) == 0) return out.zero_();
+  run_gemm(gemm_args(GemmSchedule::kExperts, GemmEpilogue::kStore, a_rows, b_rows, false, a_rows.size(1),
+                     b_rows.size(1), 0, offsets, out),
+           a_rows, "expert_wgrad");
+  return out;
+}
+
+at::Tensor expert_wgrad_cpu(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets) {
+  check_wgrad_args(a_rows, b_rows, offsets);
+  auto out = at::zeros({offsets.numel() - 1, a_rows.size(1), b_rows.size(1)}, a_rows.options());
+  auto off = offsets.accessor<int32_t, 1>();
+  for (int64_t e = 0; e + 1 < offsets.numel(); ++e) {
+    if (off[e + 1] == off[e]) continue;
+    out[e] = at::matmul(a_rows.slice(0, off[e], off[e + 1]).to(at::kFloat).t(),
+                        b_rows.slice(0, off[e], off[e + 1]).to(at::kFloat))
+                 .to(at::kBFloat16);
+  }
+  return out;
+}
+
+// Empty when the expert GEMM kernels cover an MoE of this size on `device`, else why not.
+std::string expert_gemm_unsupported_op(int64_t device, int64_t hidden, int64_t intermediate) {
+  GroupedGemmArgs g{};
+  alignas(16) static const char probe[16] = {};
+  g.a = g.b = g.out = const_cast<char*>(probe);
+  g.num_experts = 1;
+  const char* why = "";
+  const std::pair<GemmEpilogue, std::pair<int64_t, int64_t>> row_problems[] = {
+      {GemmEpilogue::kSwiGLU, {intermediate, hidden}},
+      {GemmEpilogue::kStore, {hidden, intermediate}},
+      {GemmEpilogue::kSwiGLUBackward, {intermediate, hidden}},
+      {GemmEpilogue::kStore, {hidden, 2 * intermediate}}};
+  for (const auto& [epilogue, nk] : row_problems) {
+    g.schedule = GemmSchedule::kRows;
+    g.epilogue = epilogue;
+    g.n = static_cast<int32_t>(nk.first);
+    g.k = static_cast<int32_t>(nk.second);
+    if (!grouped_gemm_supported(g, static_cast<int>(device), &why)) return why;
+  }
+  g.schedule = GemmSchedule::kExperts;
+  g.epilogue = GemmEpilogue::kStore;
+  for (const auto& [m, n] : {std::pair<int64_t, int64_t>{2 * intermediate, hidden}, {hidden, intermediate}}) {
+    g.m = static_cast<int32_t>(m);
+    g.n = static_cast<int32_t>(n);
+    if (!grouped_gemm_supported(g, static_cast<int>(device), &why)) return why;
+  }
+  return "";
+}
+
 }  // namespace
 
 TORCH_LIBRARY(primemoe, m) {
@@ -497,6 +737,13 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale) -> Tensor");
   m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
+  m.def("expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn) -> Tensor");
+  m.def("fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1) -> (Tensor a, Tensor h)");
+  m.def(
+      "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets) "
+      "-> (Tensor dh, Tensor aw, Tensor dot)");
+  m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets) -> Tensor");
+  m.def("expert_gemm_unsupported(int device, int hidden, int intermediate) -> str", &expert_gemm_unsupported_op);
   m.def("take_error(int device) -> int[]", &take_error_op);
   m.def("nvshmem_unique_id() -> Tensor", &nvshmem_unique_id_op);
   m.def("nvshmem_init(Tensor unique_id, int rank, int world) -> ()", &nvshmem_init_op);
@@ -521,6 +768,10 @@ TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
   m.impl("gather_rows", &gather_rows_cuda);
   m.impl("combine_reduce", &combine_reduce_cuda);
   m.impl("slot_dot", &slot_dot_cuda);
+  m.impl("expert_gemm", &expert_gemm_cuda);
+  m.impl("fc1_swiglu", &fc1_swiglu_cuda);
+  m.impl("fc2_dgrad_swiglu", &fc2_dgrad_swiglu_cuda);
+  m.impl("expert_wgrad", &expert_wgrad_cuda);
   m.impl("ep_dispatch", &ep_dispatch_cuda);
   m.impl("ep_combine", &ep_combine_cuda);
 }
@@ -530,6 +781,10 @@ TORCH_LIBRARY_IMPL(primemoe, CPU, m) {
   m.impl("gather_rows", &gather_rows_cpu);
   m.impl("combine_reduce", &combine_reduce_cpu);
   m.impl("slot_dot", &slot_dot_cpu);
+  m.impl("expert_gemm", &expert_gemm_cpu);
+  m.impl("fc1_swiglu", &fc1_swiglu_cpu);
+  m.impl("fc2_dgrad_swiglu", &fc2_dgrad_swiglu_cpu);
+  m.impl("expert_wgrad", &expert_wgrad_cpu);
 }
 
 }  // namespace primemoe

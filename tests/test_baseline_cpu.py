@@ -48,16 +48,27 @@ def test_baseline_matches_reference(case):
     assert_moe_outputs_match(out, naive64(problem), composite(problem), problem)
 
 
+# The engine's kernels tile the intermediate size by 256 columns.
+ENGINE_SHAPE = dict(hidden=64, inter=256, experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("engine", [False, True], ids=["grouped_mm", "engine"])
 @pytest.mark.parametrize("keep_fc1", [True, False])
 @pytest.mark.parametrize("case", ["uniform", "masked", "empty_experts", "no_tokens", "int32_ids"])
-def test_cuda_op_path_composition_on_cpu(case, keep_fc1):
+def test_cuda_op_path_composition_on_cpu(case, keep_fc1, engine):
     """The CUDA implementations of moe_forward/moe_backward are compositions of primitives that
-    also have CPU kernels: run them here so their wiring is checked in CI, not only on a GPU."""
-    p = make_problem(**SHAPE, **CASES[case], seed=5)
-    y, fc1_out = ops._moe_forward_cuda(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, "bf16", keep_fc1)
-    assert fc1_out.shape[0] == (p.topk_idx.numel() if keep_fc1 else 0)
-    grads = ops._moe_backward_cuda(p.dy, p.x, p.topk_idx, p.topk_weights, p.w1, p.w2,
-                                   fc1_out if keep_fc1 else None, "bf16")
+    also have CPU kernels: run them here so their wiring is checked in CI, not only on a GPU.
+    ``engine``: the expert GEMM engine's ops (fc1_swiglu, expert_gemm, fc2_dgrad_swiglu,
+    expert_wgrad) through their CPU kernels; else the torch._grouped_mm composition."""
+    shape = dict(SHAPE, **ENGINE_SHAPE) if engine else SHAPE
+    if case == "empty_experts" and engine:
+        shape = dict(shape, experts=8)
+    p = make_problem(**shape, **CASES[case], seed=5)
+    y, fc1_out = ops.moe_forward_composed(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, keep_fc1, engine)
+    E = p.w1.shape[0]
+    assert fc1_out.shape[0] == (p.topk_idx.numel() + E * (ops.ROW_ALIGN - 1) if keep_fc1 else 0)
+    grads = ops.moe_backward_composed(p.dy, p.x, p.topk_idx, p.topk_weights, p.w1, p.w2,
+                                      fc1_out if keep_fc1 else None, engine)
     assert_moe_outputs_match(Outputs(y, *grads), naive64(p), composite(p), p)
 
 

@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils.flop_counter import FlopCounterMode
 
+from engine_cases import engine_operands
 from helpers import ExpertLayer, OUTPUT_NAMES, make_problem, run_module, run_moe, run_python
 
 import primemoe
@@ -75,6 +76,60 @@ def test_opcheck_slot_dot(problem):
     slot_to_row = layout(problem.topk_idx)[2]
     a, b = torch.randn(2, T * K, 2 * I).bfloat16()
     torch.library.opcheck(ops.slot_dot, (a, b, slot_to_row))
+
+
+@pytest.fixture
+def engine():
+    return engine_operands([3, 0, 130], hidden=64, inter=256, seed=8)
+
+
+@pytest.mark.parametrize("w_kn", [False, True])
+def test_opcheck_expert_gemm(engine, w_kn):
+    rows, w = (engine.a, engine.w2) if not w_kn else (engine.h, engine.w1)
+    torch.library.opcheck(ops.expert_gemm, (rows, w, engine.offsets, w_kn))
+
+
+@pytest.mark.parametrize("keep_fc1", [True, False])
+def test_opcheck_fc1_swiglu(engine, keep_fc1):
+    torch.library.opcheck(ops.fc1_swiglu, (engine.xs, engine.w1, engine.offsets, keep_fc1))
+
+
+def test_opcheck_fc2_dgrad_swiglu(engine):
+    e = engine
+    torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets))
+
+
+def test_opcheck_expert_wgrad(engine):
+    torch.library.opcheck(ops.expert_wgrad, (engine.dy_rows, engine.a, engine.offsets))
+
+
+def test_engine_ops_cpu_semantics(engine):
+    """The CPU kernels are the engine's specification: per expert, plain fp32 products of its rows."""
+    e = engine
+    off = e.offsets.tolist()
+    lo, hi = off[2], off[3]
+    W1, W2 = e.w1[2].double(), e.w2[2].double()
+    out = ops.expert_gemm(e.a, e.w2, e.offsets, False)
+    torch.testing.assert_close(out[lo:hi].double(), e.a[lo:hi].double() @ W2.t(), rtol=1e-2, atol=1e-2)
+    a, h = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
+    torch.testing.assert_close(h[lo:hi].double(), e.xs[lo:hi].double() @ W1.t(), rtol=1e-2, atol=1e-2)
+    g, u = h.double().chunk(2, dim=1)
+    torch.testing.assert_close(a.double(), torch.nn.functional.silu(g) * u, rtol=1e-2, atol=1e-2)
+    dw = ops.expert_wgrad(e.dy_rows, e.a, e.offsets)
+    assert dw.shape == (3, 64, 256) and not dw[1].any()
+    torch.testing.assert_close(dw[2].double(), e.dy_rows[lo:hi].double().t() @ e.a[lo:hi].double(),
+                               rtol=1e-2, atol=1e-2)
+    dh, aw, dot = ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets)
+    da = e.dy_rows.double() @ W2  # expert 2's weight, compared on its rows only
+    g, u = e.h.double().chunk(2, dim=1)
+    act = (torch.nn.functional.silu(g) * u).bfloat16().double()  # a is kept in bf16, as in the forward
+    w = e.row_weight.double().unsqueeze(1)
+    torch.testing.assert_close(dot[lo:hi].sum(1).double(), (da * act).sum(1)[lo:hi], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(aw[lo:hi].double(), (w * act)[lo:hi], rtol=1e-2, atol=1e-2)
+    s = torch.sigmoid(g)
+    d_gate = da * w * u * s * (1 + g * (1 - s))
+    torch.testing.assert_close(dh[lo:hi].double(), torch.cat([d_gate, da * w * g * s], 1)[lo:hi],
+                               rtol=2e-2, atol=2e-2)
 
 
 # ---------------------------------------------------------------- dispatch_layout semantics

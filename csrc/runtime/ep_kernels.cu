@@ -2,6 +2,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "../kernels/device_wait.cuh"
 #include "ep_kernels.cuh"
 
 namespace primemoe {
@@ -10,32 +11,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kVec = 8;  // bf16 per 16-byte access
-
-enum WaitPhase : int64_t { kWaitCounts = 0, kWaitArrivals = 1, kWaitCombine = 2 };
-
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Spins until *flag >= target; on timeout records who waited for what and gives up.
-__device__ void wait_at_least(const uint64_t* flag, uint64_t target, uint64_t timeout_ns, ErrorRecord* error,
-                              int32_t me, int32_t awaited_rank, int64_t what, int64_t phase) {
-  const uint64_t start = now_ns();
-  while (load_acquire(flag) < target) {
-    if (now_ns() - start > timeout_ns) {
-      record_error(error, kWaitTimeout, awaited_rank, me, what, phase);
-      return;
-    }
-  }
-}
 
 template <typename T>
 __device__ __forceinline__ T* region(uint8_t* ws, size_t offset) {

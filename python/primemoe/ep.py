@@ -1,7 +1,9 @@
 """``primemoe.moe(..., buffer=buf)``: expert parallelism over the NVSHMEM workspace of a Buffer.
 
 Forward: ``ep_dispatch`` writes every routed row into its expert's rank, in expert-major
-order (``recv_rows``); the local experts run as ``torch._grouped_mm`` over that region;
+order (``recv_rows``); the local experts run as ``torch._grouped_mm`` over that region
+(the engine's kernels need zeroed, tile-aligned padding rows, which the receive region
+does not have yet);
 ``ep_combine`` pushes each result row back to its source slot (``combine_rows``) and the
 deterministic ``combine_reduce`` kernel sums a token's K slots. Backward dispatches
 ``dy`` with the same routing, so it lands in the same receive layout as ``x`` did, and
@@ -9,7 +11,7 @@ combines the row gradients (plus the routing-weight gradients as per-row scalars
 
 Every rank takes part in every dispatch and combine, whatever its token count: they
 are collective. Nothing reads routing data on the host, so a step can be captured in
-a CUDA graph. The fused Hopper kernels replace the GEMM stages when they land.
+a CUDA graph.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._validate import check_moe_inputs
-from .baseline import swiglu
-from .ops import weighted_expert_backward
+from .ops import expert_backward, expert_forward
 
 lib = torch.ops.primemoe
 
@@ -65,9 +66,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
         T, K = topk_idx.shape
         _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
         xs = buffer.region("recv_rows")
-        ends = offsets[1:]
-        h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-        o = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
+        o, h = expert_forward(xs, w1, w2, offsets, keep_fc1, engine=False)
         buffer.combine(o, offsets)
         y = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), topk_weights)
         if wants_grad:
@@ -85,17 +84,12 @@ class _ExpertParallelMoE(torch.autograd.Function):
         # The views below are read before this rank's next dispatch, and no rank writes into this
         # rank's receive region before that dispatch has exchanged its counts: no copies needed.
         _, offsets, slot_valid = buffer.dispatch(dy.contiguous(), topk_idx, topk_weights)
-        ends = offsets[1:]
         dy_rows = buffer.region("recv_rows")
-        if h is None:
-            h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
         # Padding rows (meta -1) lie inside the experts' row ranges with stale data: weight 0 keeps them
         # out of dw. Rows past offsets[-1] are in no expert's range and are never sent back.
-        row_weight = torch.where(buffer.region("recv_meta") >= 0, buffer.region("recv_weights"), 0.0).unsqueeze(1)
-        dxs, dw1, dw2, da_unweighted, a = weighted_expert_backward(xs, h, dy_rows, row_weight, w1, w2, ends)
-        # One fp32 dot per received row, sent back to its slot as the routing-weight gradient.
-        every_row = torch.arange(h.shape[0], dtype=torch.int32, device=h.device).unsqueeze(1)
-        dtw_rows = lib.slot_dot(da_unweighted, a, every_row).view(-1)
+        row_weight = torch.where(buffer.region("recv_meta") >= 0, buffer.region("recv_weights"), 0.0)
+        # dtw_rows: one fp32 dot per received row, sent back to its slot as the routing-weight gradient.
+        dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine=False)
         buffer.combine(dxs, offsets, dtw_rows)
         dx = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)
         d_topk_weights = torch.where(slot_valid, buffer.region("combine_scalars")[:T * K].view(T, K), 0.0)

@@ -4,17 +4,35 @@ The schemas live in C++ (csrc/binding.cpp). Here: fake (meta) kernels so
 torch.compile traces every op, the CPU and CUDA implementations of
 ``moe_forward`` / ``moe_backward``, and their autograd formula.
 
-CUDA path today: the ``dispatch_layout`` kernel (device-side counts and row maps,
-no host sync), ``gather_rows`` into expert-major order, ``torch._grouped_mm`` for the
-GEMMs, and the deterministic ``combine_reduce`` / ``slot_dot`` kernels. The fused
-Hopper kernels replace the GEMM stages when they land.
+CUDA path: the ``dispatch_layout`` kernel (device-side counts and row maps, no host
+sync), ``gather_rows`` into expert-major order, the expert GEMM engine (persistent
+warp-specialised sm_90a kernels, csrc/gemm/) and the deterministic ``combine_reduce``
+kernel. The engine's ops:
 
-``fc1_out`` (the FC1 pre-activations kept for backward) is ``[rows, 2I]`` in the
-expert-major row order of ``dispatch_layout(topk_idx, E, 0, E, 1)``: experts in
-order, each expert's slots in slot order, rows past the routed total unused.
+- ``fc1_swiglu``: FC1 with SwiGLU in the epilogue (pre-activations kept on request);
+- ``expert_gemm``: FC2 forward and FC1 dgrad;
+- ``fc2_dgrad_swiglu``: FC2 dgrad with the SwiGLU backward, the routing weight and the
+  ``<da, a>`` routing-weight gradient partials in the epilogue;
+- ``expert_wgrad``: both weight gradients, each expert's rows reduced inside one tile.
+
+Where the engine does not cover a problem (not an sm_90 GPU, sizes not multiples of
+the tiles, ``PRIMEMOE_GEMM=torch``) the same composition runs on ``torch._grouped_mm``.
+
+Kept or recomputed FC1 pre-activations: kept by default (``keep_fc1=True``): the
+backward then skips a third of the forward's FLOPs for 2·I·2 bytes per routed row;
+``keep_fc1=False`` recomputes them in the backward (FC1 + SwiGLU again) to save that
+memory.
+
+``fc1_out`` is ``[rows, 2I]`` in the expert-major row order of
+``dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)``: experts in order, each expert's
+slots in slot order, each expert's range padded with zero rows to a multiple of
+``ROW_ALIGN`` (the GEMM tile height), rows past the padded total unused.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -24,6 +42,8 @@ from .baseline import grouped_wgrad, swiglu, swiglu_backward
 from ._validate import check_precision
 
 lib = torch.ops.primemoe
+
+ROW_ALIGN = 128  # kGemmRowAlign of csrc/gemm/grouped_gemm.cuh
 
 
 def _layout_rows(num_slots: int, num_local: int, row_align: int) -> int:
@@ -36,7 +56,7 @@ def _layout_rows(num_slots: int, num_local: int, row_align: int) -> int:
 @torch.library.register_fake("primemoe::moe_forward")
 def _moe_forward_fake(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_fc1=True):
     T, K = topk_idx.shape
-    rows = _layout_rows(T * K, w1.shape[0], 1) if keep_fc1 else 0
+    rows = _layout_rows(T * K, w1.shape[0], ROW_ALIGN) if keep_fc1 else 0
     return x.new_empty(x.shape), x.new_empty(rows, w1.shape[1])
 
 
@@ -68,6 +88,29 @@ def _slot_dot_fake(a, b, slot_to_row):
     return a.new_empty(slot_to_row.shape, dtype=torch.float32)
 
 
+@torch.library.register_fake("primemoe::expert_gemm")
+def _expert_gemm_fake(rows, w, expert_offsets, w_kn):
+    return rows.new_empty(rows.shape[0], w.shape[2] if w_kn else w.shape[1])
+
+
+@torch.library.register_fake("primemoe::fc1_swiglu")
+def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1):
+    inter = w1.shape[1] // 2
+    return rows.new_empty(rows.shape[0], inter), rows.new_empty(rows.shape[0] if keep_fc1 else 0, 2 * inter)
+
+
+@torch.library.register_fake("primemoe::fc2_dgrad_swiglu")
+def _fc2_dgrad_swiglu_fake(dy_rows, w2, h, row_weight, expert_offsets):
+    R, inter = dy_rows.shape[0], w2.shape[2]
+    return (dy_rows.new_empty(R, 2 * inter), dy_rows.new_empty(R, inter),
+            dy_rows.new_empty(R, inter // 256, dtype=torch.float32))
+
+
+@torch.library.register_fake("primemoe::expert_wgrad")
+def _expert_wgrad_fake(a_rows, b_rows, expert_offsets):
+    return a_rows.new_empty(expert_offsets.shape[0] - 1, a_rows.shape[1], b_rows.shape[1])
+
+
 @torch.library.register_fake("primemoe::ep_dispatch")
 def _ep_dispatch_fake(workspace, epoch, x, topk_idx, topk_weights, rank, world, max_tokens, local_experts,
                       row_align, num_sms):
@@ -87,7 +130,7 @@ def _ep_combine_fake(workspace, epoch, rows, row_scalars, expert_offsets, rank, 
 def _fc1_rows_cpu(x, topk_idx, w1):
     E = w1.shape[0]
     K = topk_idx.shape[1]
-    counts, offsets, _, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, 1)
+    counts, offsets, _, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
     acc = reference.compute_dtype(x.dtype)
     out = x.new_zeros(row_to_slot.numel(), w1.shape[1])
     for e in range(E):
@@ -113,54 +156,100 @@ def _moe_backward_cpu(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision=
 # ---------------------------------------------------------------- CUDA
 
 
-def weighted_expert_backward(xs, h, dy_rows, row_weight, w1, w2, ends):
+@functools.lru_cache(maxsize=None)
+def _engine_unsupported(device_index: int, hidden: int, intermediate: int) -> str:
+    return lib.expert_gemm_unsupported(device_index, hidden, intermediate)
+
+
+def use_engine(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether the expert GEMM engine runs this problem (else ``torch._grouped_mm``)."""
+    if not x.is_cuda or os.environ.get("PRIMEMOE_GEMM", "engine") == "torch":
+        return False
+    return _engine_unsupported(x.device.index, x.shape[1], w1.shape[1] // 2) == ""
+
+
+def _row_weight(topk_weights, row_to_slot):
+    """fp32 routing weight of each expert-major row, 0 on padding rows."""
+    w = topk_weights.reshape(-1).float()[row_to_slot.clamp(min=0).long()]
+    return torch.where(row_to_slot >= 0, w, 0.0)
+
+
+def expert_forward(xs, w1, w2, offsets, keep_fc1, engine):
+    """FC2(swiglu(FC1(xs))) per expert over the expert-major rows: (o, h or an empty [0, 2I])."""
+    if engine:
+        a, h = lib.fc1_swiglu(xs, w1, offsets, keep_fc1)
+        return lib.expert_gemm(a, w2, offsets, False), h
+    ends = offsets[1:]
+    h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
+    o = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
+    return o, (h if keep_fc1 else h.new_empty(0, h.shape[1]))
+
+
+def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine):
     """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
-    *unweighted* ``dy_rows``. Returns ``(dxs, dw1, dw2, da_unweighted, a)``: the routing-weight
-    gradient of a row is ``<da_unweighted, a>`` (= <dy, FC2 output>), so FC2's output need not be kept."""
+    *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed). Returns
+    ``(dxs, dw1, dw2, dtw_rows)``; ``dtw_rows[r] = <dy_r, FC2 output_r>`` = ``<da_r, a_r>``
+    (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept."""
+    if engine:
+        if h is None:
+            h = lib.fc1_swiglu(xs, w1, offsets, True)[1]
+        dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets)
+        dw2 = lib.expert_wgrad(dy_rows, aw, offsets)
+        dxs = lib.expert_gemm(dh, w1, offsets, True)
+        dw1 = lib.expert_wgrad(dh, xs, offsets)
+        return dxs, dw1, dw2, dot.sum(1)
+    ends = offsets[1:]
+    if h is None:
+        h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
     a = swiglu(h)
+    weight = row_weight.unsqueeze(1)
     da_unweighted = torch._grouped_mm(dy_rows, w2, offs=ends)
-    dh = swiglu_backward(h, (da_unweighted * row_weight).to(h.dtype))
-    dw2 = grouped_wgrad(dy_rows, (a.float() * row_weight).to(a.dtype), ends)
+    dh = swiglu_backward(h, (da_unweighted * weight).to(h.dtype))
+    dw2 = grouped_wgrad(dy_rows, (a.float() * weight).to(a.dtype), ends)
     dxs = torch._grouped_mm(dh, w1, offs=ends)
     dw1 = grouped_wgrad(dh, xs, ends)
-    return dxs, dw1, dw2, da_unweighted, a
+    every_row = torch.arange(h.shape[0], dtype=torch.int32, device=h.device).unsqueeze(1)
+    return dxs, dw1, dw2, lib.slot_dot(da_unweighted, a, every_row).view(-1)
+
+
+def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine):
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    E, two_i, _ = w1.shape
+    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
+    if T * K == 0:
+        return x.new_zeros(T, H), x.new_zeros(row_to_slot.numel() if keep_fc1 else 0, two_i)
+    xs = lib.gather_rows(x, row_to_slot, K, None)
+    o, h = expert_forward(xs, w1, w2, offsets, keep_fc1, engine)
+    return lib.combine_reduce(o, slot_to_row, topk_weights), h
+
+
+def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine):
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    E = w1.shape[0]
+    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
+    if T * K == 0:
+        return (torch.zeros_like(x), torch.zeros(T, K, dtype=torch.float32, device=x.device),
+                torch.zeros_like(w1), torch.zeros_like(w2))
+    xs = lib.gather_rows(x, row_to_slot, K, None)
+    h = fc1_out if fc1_out is not None and fc1_out.numel() else None
+    dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None)
+    row_weight = _row_weight(topk_weights, row_to_slot)
+    dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine)
+    d_topk_weights = torch.where(slot_to_row >= 0, dtw_rows[slot_to_row.clamp(min=0).long()], 0.0)
+    dx = lib.combine_reduce(dxs, slot_to_row, None)
+    return dx, d_topk_weights, dw1, dw2
 
 
 def _moe_forward_cuda(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_fc1=True):
     check_precision(precision)
-    T, H = x.shape
-    K = topk_idx.shape[1]
-    E, two_i, _ = w1.shape
-    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, 1)
-    if T * K == 0:
-        return x.new_zeros(T, H), x.new_empty(T * K if keep_fc1 else 0, two_i)
-    ends = offsets[1:]
-    xs = lib.gather_rows(x, row_to_slot, K, None)
-    h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-    o = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
-    y = lib.combine_reduce(o, slot_to_row, topk_weights)
-    return y, (h if keep_fc1 else h.new_empty(0, two_i))
+    return moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, use_engine(x, w1))
 
 
 def _moe_backward_cuda(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
     check_precision(precision)
-    T, H = x.shape
-    K = topk_idx.shape[1]
-    E = w1.shape[0]
-    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, 1)
-    if T * K == 0:
-        return (torch.zeros_like(x), torch.zeros(T, K, dtype=torch.float32, device=x.device),
-                torch.zeros_like(w1), torch.zeros_like(w2))
-    ends = offsets[1:]
-    xs = lib.gather_rows(x, row_to_slot, K, None)
-    h = fc1_out if fc1_out is not None and fc1_out.numel() else torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-    dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None)
-    row_weight = topk_weights.reshape(-1).float()[row_to_slot.clamp(min=0).long()]
-    row_weight = torch.where(row_to_slot >= 0, row_weight, 0.0).unsqueeze(1)
-    dxs, dw1, dw2, da_unweighted, a = weighted_expert_backward(xs, h, dy_rows, row_weight, w1, w2, ends)
-    d_topk_weights = lib.slot_dot(da_unweighted, a, slot_to_row)
-    dx = lib.combine_reduce(dxs, slot_to_row, None)
-    return dx, d_topk_weights, dw1, dw2
+    return moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, use_engine(x, w1))
 
 
 # Registered as plain calls (the decorator form returns None) so the functions stay importable:

@@ -19,7 +19,7 @@ import primemoe
 
 pytestmark = pytest.mark.gpu
 
-SMALL = (256, 128, 8, 2)  # H, I, E, K
+SMALL = (256, 256, 8, 2)  # H, I, E, K: the smallest sizes the expert GEMM engine's tiles cover
 IMPLS = {
     "primemoe": primemoe.moe,
     "primemoe_recompute_fc1": functools.partial(primemoe.moe, keep_fc1=False),
@@ -40,6 +40,20 @@ def check_against_reference(fn, problem):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_small_shape_matches_reference(impl, tokens, routing):
     check_against_reference(IMPLS[impl], small_problem(tokens, routing, seed=tokens))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
+@pytest.mark.parametrize("tokens", [17, 4095])
+def test_grouped_mm_fallback_matches_reference(monkeypatch, tokens, routing):
+    """PRIMEMOE_GEMM=torch (and sizes the engine does not tile) run the same composition on torch._grouped_mm."""
+    monkeypatch.setenv("PRIMEMOE_GEMM", "torch")
+    check_against_reference(primemoe.moe, small_problem(tokens, routing, seed=tokens + 1))
+
+
+@pytest.mark.parametrize("tokens", [17, 4095])
+def test_engine_untiled_sizes_fall_back(tokens):
+    check_against_reference(primemoe.moe, make_problem(tokens, 256, 128, 8, 2, routing="skewed", seed=3,
+                                                       device="cuda"))
 
 
 @pytest.mark.parametrize("tokens", [17, 4095])
@@ -95,6 +109,13 @@ def test_reference_shape_matches_reference(impl, shape, routing):
     tokens = 128 if shape == "deepseek-v3" else 256
     problem = make_problem(tokens, *REFERENCE_SHAPES[shape], routing=routing, seed=3, device="cuda")
     out = run_moe(IMPLS[impl], problem)
+    check_against_reference_by_expert_chunks(out, problem, chunk=16)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_qwen3_30b_at_16384_tokens_matches_reference(routing):
+    problem = make_problem(16384, *REFERENCE_SHAPES["qwen3-30b-a3b"], routing=routing, seed=9, device="cuda")
+    out = run_moe(primemoe.moe, problem)
     check_against_reference_by_expert_chunks(out, problem, chunk=16)
 
 

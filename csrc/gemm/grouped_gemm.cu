@@ -1,0 +1,121 @@
+// Host side of the grouped GEMM family: checks, TMA descriptors, variant choice, launch.
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "grouped_gemm_launch.cuh"
+
+namespace primemoe {
+namespace {
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver entry point, looked up once through the runtime (no link against libcuda).
+EncodeTiled encode_tiled() {
+  static EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      p = nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(p);
+  }();
+  return fn;
+}
+
+// A 3-D bf16 tensor (inner, outer, layer), inner contiguous, loaded in 128-byte swizzled boxes of
+// 64 inner elements: K-major operands take 128 outer rows per box, MN-major ones 64 (two per tile).
+cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, uint64_t layers,
+                     bool k_major) {
+  EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {inner, outer, layers};
+  const cuuint64_t strides[2] = {inner * 2, inner * outer * 2};
+  const cuuint32_t box[3] = {64, k_major ? 128u : 64u, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
+                      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
+  auto no = [&](const char* reason) {
+    if (why != nullptr) *why = reason;
+    return false;
+  };
+  int major = 0;
+  int minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+#ifndef PRIMEMOE_HAVE_SM90A
+  return no("this build has no sm_90a kernels");
+#endif
+  if (major != 9 || minor != 0) return no("the grouped GEMM kernels need an sm_90 GPU");
+  if (encode_tiled() == nullptr) return no("the driver lacks cuTensorMapEncodeTiled");
+  const int32_t n_step = a.epilogue == GemmEpilogue::kSwiGLU ? 128 : kGemmTileN;
+  if (a.n <= 0 || a.n % n_step != 0) return no("the output width is not a multiple of the tile width");
+  if (a.schedule == GemmSchedule::kRows && (a.k <= 0 || a.k % kGemmTileK != 0)) {
+    return no("the reduction length is not a multiple of 64");
+  }
+  if (a.schedule == GemmSchedule::kExperts && (a.m <= 0 || a.m % 128 != 0)) {
+    return no("the per-expert output height is not a multiple of 128");
+  }
+  if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out)) return no("operands are not 16-byte aligned");
+  return true;
+}
+
+cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
+  using namespace sm90;
+  GemmParams params{};
+  params.args = a;
+  const uint64_t rows = uint64_t(a.num_rows);
+  const uint64_t experts = uint64_t(a.num_experts);
+  cudaError_t err;
+  if (a.schedule == GemmSchedule::kRows) {
+    const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
+    err = make_map(&params.tma_a, a.a, a.k, rows, 1, true);
+    if (err == cudaSuccess) {
+      err = a.b_k_major ? make_map(&params.tma_b, a.b, a.k, b_rows, experts, true)
+                        : make_map(&params.tma_b, a.b, b_rows, a.k, experts, false);
+    }
+  } else {
+    err = make_map(&params.tma_a, a.a, a.m, rows, 1, false);
+    if (err == cudaSuccess) err = make_map(&params.tma_b, a.b, a.n, rows, 1, false);
+  }
+  if (err != cudaSuccess) return err;
+  const int grid = a.num_sms > 0 ? a.num_sms : 1;
+  switch (a.schedule) {
+    case GemmSchedule::kRows:
+      switch (a.epilogue) {
+        case GemmEpilogue::kSwiGLU:
+          if (a.b_k_major) return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true>(params, grid, stream);
+          break;
+        case GemmEpilogue::kStore:
+          return a.b_k_major ? launch<GemmSchedule::kRows, GemmEpilogue::kStore, true>(params, grid, stream)
+                             : launch<GemmSchedule::kRows, GemmEpilogue::kStore, false>(params, grid, stream);
+        case GemmEpilogue::kSwiGLUBackward:
+          if (!a.b_k_major) {
+            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLUBackward, false>(params, grid, stream);
+          }
+          break;
+      }
+      break;
+    case GemmSchedule::kExperts:
+      if (a.epilogue == GemmEpilogue::kStore && !a.b_k_major) {
+        return launch<GemmSchedule::kExperts, GemmEpilogue::kStore, false>(params, grid, stream);
+      }
+      break;
+  }
+  return cudaErrorNotSupported;
+}
+
+}  // namespace primemoe

@@ -1,0 +1,79 @@
+// Expert-grouped BF16 GEMMs of the MoE layer on Hopper: one persistent,
+// warp-specialised kernel family (TMA producer warp, two wgmma consumer warpgroups)
+// whose tile scheduler walks the routing layout's device-side expert offsets.
+//
+// Row space: the expert-major rows of dispatch_layout with row_align = kGemmRowAlign,
+// so a 128-row tile never straddles two experts and padding rows are zero.
+//
+//   kRows    out[r, :] = A[r, :] (K) x B[e(r)]         M = routed rows, per-expert B
+//   kExperts out[e]    = A[rows of e]^T x B[rows of e] K = routed rows, per-expert out
+//
+// The producer's wait hook (RowsReadyHook) is where the expert-parallel path plugs
+// in: before loading an expert's first rows it waits for that expert's arrival
+// counter, so GEMM tiles start as soon as their rows have landed.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../kernels/error_record.cuh"
+
+namespace primemoe {
+
+constexpr int32_t kGemmRowAlign = 128;  // tile height; also the expert row alignment
+constexpr int32_t kGemmTileN = 256;     // output columns per tile (two 128-column halves)
+constexpr int32_t kGemmTileK = 64;
+
+enum class GemmSchedule : int32_t { kRows = 0, kExperts = 1 };
+
+enum class GemmEpilogue : int32_t {
+  kStore = 0,           // out = bf16(acc)
+  kSwiGLU = 1,          // FC1: halves are gate / up; out = bf16(silu(g) * u), h = [g | u] if kept
+  kSwiGLUBackward = 2,  // FC2 dgrad: acc = da; writes dh = d[g | u] (weighted), aw = w * a, <da, a> partials
+};
+
+// Producer-side wait before an expert's first rows are loaded: counters[e] >= *epoch * per_epoch.
+struct RowsReadyHook {
+  const uint64_t* counters = nullptr;  // null: rows are already in memory
+  const int64_t* epoch = nullptr;
+  uint64_t per_epoch = 0;
+  int32_t rank = 0;
+  uint64_t timeout_ns = 0;
+};
+
+struct GroupedGemmArgs {
+  GemmSchedule schedule;
+  GemmEpilogue epilogue;
+  // kRows: a = rows [num_rows, k] (K-major); b = weights [E, n, k] (b_k_major) or [E, k, n].
+  // kExperts: a = rows [num_rows, m], b = rows [num_rows, n]; both reduced over each expert's rows.
+  const void* a;
+  const void* b;
+  bool b_k_major;
+  int64_t num_rows;  // allocated rows of the row operands (>= expert_offsets[E])
+  int32_t m;         // kExperts only: output rows per expert
+  int32_t n;         // output columns (kSwiGLU: of the activation, i.e. half of b's rows)
+  int32_t k;         // kRows only: reduction length
+  int32_t num_experts;
+  const int32_t* expert_offsets;  // [E + 1], multiples of kGemmRowAlign
+  void* out;                      // kRows: [num_rows, n]; kExperts: [E, m, n]; bf16
+  // kSwiGLU: out_h = [num_rows, 2n] pre-activations or null.
+  // kSwiGLUBackward: in_h = [num_rows, 2n] pre-activations, row_weight [num_rows] fp32 (0 on padding),
+  //   out_dh [num_rows, 2n], out_aw [num_rows, n], out_dot [num_rows, n / kGemmTileN] fp32.
+  void* out_h;
+  const void* in_h;
+  const float* row_weight;
+  void* out_dh;
+  void* out_aw;
+  float* out_dot;
+  RowsReadyHook hook;
+  ErrorRecord* error;
+  int32_t num_sms;
+};
+
+// Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).
+bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char** why);
+
+cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
+}  // namespace primemoe

@@ -1,0 +1,22 @@
+// What the host launcher and the generated instantiation files share: the kernel
+// parameters (TMA descriptors + arguments) and the per-variant launch entry points.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "grouped_gemm.cuh"
+
+namespace primemoe::sm90 {
+
+struct GemmParams {
+  CUtensorMap tma_a;  // kRows: rows [num_rows, k]; kExperts: rows [num_rows, m] (M-major operand)
+  CUtensorMap tma_b;  // kRows: weights [E, n, k] or [E, k, n]; kExperts: rows [num_rows, n]
+  GroupedGemmArgs args;
+};
+
+// Defined for the variants listed in csrc/gemm/instantiations/ (generated).
+template <GemmSchedule S, GemmEpilogue E, bool BKMajor>
+cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream);
+
+}  // namespace primemoe::sm90

@@ -1,0 +1,346 @@
+// Device template of the expert-grouped GEMM family for sm_90a (see grouped_gemm.cuh).
+//
+// One CTA per SM, persistent. Warpgroup 0 is the producer: one thread walks the tile
+// sequence and issues TMA loads into a kStages-deep ring guarded by mbarriers.
+// Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128 x 256 tile as two
+// 64 x 128 fp32 accumulators (the two halves of the tile's columns: for FC1 the gate
+// and the up projection of the same activation columns, so SwiGLU needs no shuffle),
+// runs wgmma straight from shared memory, and writes its epilogue from registers.
+// Producer and consumers walk the same tile sequence, so the ring's stage/phase
+// counters stay in step without any other communication.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "../kernels/device_wait.cuh"
+#include "grouped_gemm_launch.cuh"
+
+namespace primemoe::sm90 {
+
+using namespace cute;
+
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kSubTileElems = 128 * kGemmTileK;  // one 128 x 64 operand tile, 16 KiB
+constexpr uint32_t kStageBytes = 3 * kSubTileElems * 2;
+
+struct SharedStorage {
+  bfloat16_t a[kStages * kSubTileElems];
+  bfloat16_t b[2][kStages * kSubTileElems];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+};
+constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + room to align the base to 1 KiB (swizzle atoms)
+
+// Shared-memory layout of one operand's ring: (128 rows of M or N, 64 of K, stage), 128-byte
+// swizzled exactly as TMA writes it (K-major: one 64 x 128 box; MN-major: two 64 x 64 boxes).
+template <bool KMajor>
+CUTE_HOST_DEVICE constexpr auto ring_layout() {
+  if constexpr (KMajor) {
+    return tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, Shape<_128, Int<kGemmTileK>, Int<kStages>>{});
+  } else {
+    return tile_to_shape(GMMA::Layout_MN_SW128_Atom<bfloat16_t>{}, Shape<_128, Int<kGemmTileK>, Int<kStages>>{},
+                         Step<_2, _1, _3>{});
+  }
+}
+
+template <bool KMajor>
+constexpr GMMA::Major major() {
+  return KMajor ? GMMA::Major::K : GMMA::Major::MN;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* bar, void* dst, int32_t c0, int32_t c1,
+                                         int32_t c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
+      :
+      : "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Loads one 128 x 64 operand tile: rows/cols [mn0, mn0 + 128) x [k0, k0 + 64) of layer l.
+template <bool KMajor>
+__device__ __forceinline__ void load_tile(const CUtensorMap* map, uint64_t* bar, bfloat16_t* dst, int32_t mn0,
+                                          int32_t k0, int32_t l) {
+  if constexpr (KMajor) {
+    tma_load(map, bar, dst, k0, mn0, l);
+  } else {
+    tma_load(map, bar, dst, mn0, k0, l);
+    tma_load(map, bar, dst + kSubTileElems / 2, mn0 + 64, k0, l);
+  }
+}
+
+struct Tile {
+  int32_t expert;
+  int32_t m0;       // kRows: first row; kExperts: first output row of the expert's block
+  int32_t n_tile;   // column tile index
+  int32_t k_begin;  // first K element (kExperts: first row of the expert)
+  int32_t k_tiles;
+};
+
+// The tile sequence, identical for producer and consumers. kRows: (row block, column
+// tile), row blocks in order, so a CTA's experts only move forward. kExperts:
+// (expert, row tile, column tile), so neighbouring CTAs share an expert's operands in L2.
+template <GemmSchedule S, GemmEpilogue E>
+struct TileWalker {
+  const GroupedGemmArgs& args;
+  int32_t n_tiles;
+  int32_t m_tiles;
+  int64_t total;
+  int32_t expert = 0;
+
+  __device__ explicit TileWalker(const GroupedGemmArgs& a) : args(a) {
+    n_tiles = E == GemmEpilogue::kSwiGLU ? a.n / 128 : a.n / kGemmTileN;
+    if constexpr (S == GemmSchedule::kRows) {
+      m_tiles = 0;
+      total = int64_t(a.expert_offsets[a.num_experts] / kGemmRowAlign) * n_tiles;
+    } else {
+      m_tiles = a.m / 128;
+      total = int64_t(a.num_experts) * m_tiles * n_tiles;
+    }
+  }
+
+  __device__ Tile at(int64_t t) {
+    Tile tile;
+    if constexpr (S == GemmSchedule::kRows) {
+      const int32_t row0 = int32_t(t / n_tiles) * kGemmRowAlign;
+      while (args.expert_offsets[expert + 1] <= row0) ++expert;
+      tile = {expert, row0, int32_t(t % n_tiles), 0, args.k / kGemmTileK};
+    } else {
+      const int64_t per_expert = int64_t(m_tiles) * n_tiles;
+      const int32_t e = int32_t(t / per_expert);
+      const int32_t r = int32_t(t % per_expert);
+      const int32_t begin = args.expert_offsets[e];
+      tile = {e, (r / n_tiles) * 128, r % n_tiles, begin, (args.expert_offsets[e + 1] - begin) / kGemmTileK};
+    }
+    return tile;
+  }
+};
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+__device__ __forceinline__ __nv_bfloat162 pack(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
+
+template <GemmSchedule S, GemmEpilogue E, bool BKMajor>
+__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool AKMajor = S == GemmSchedule::kRows;
+  const GroupedGemmArgs& args = p.args;
+  extern __shared__ uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], 1);
+      cutlass::arch::ClusterBarrier::init(&smem.empty[s], 256);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  TileWalker<S, E> walker(args);
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_a) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_b) : "memory");
+    int stage = 0;
+    uint32_t phase = 0;
+    int32_t ready_expert = -1;
+    for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
+      const Tile tile = walker.at(t);
+      if (S == GemmSchedule::kRows && args.hook.counters != nullptr && tile.expert != ready_expert) {
+        const uint64_t target = uint64_t(*args.hook.epoch) * args.hook.per_epoch;
+        wait_at_least(args.hook.counters + tile.expert, target, args.hook.timeout_ns, args.error, args.hook.rank, -1,
+                      tile.expert, kWaitGemmRows);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        ready_expert = tile.expert;
+      }
+      for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
+        cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], phase ^ 1);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.full[stage], kStageBytes);
+        const int32_t k0 = tile.k_begin + kt * kGemmTileK;
+        uint64_t* bar = &smem.full[stage];
+        bfloat16_t* sa = smem.a + stage * kSubTileElems;
+        if constexpr (S == GemmSchedule::kRows) {
+          load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
+        } else {
+          load_tile<false>(&p.tma_a, bar, sa, tile.m0, k0, 0);
+        }
+        for (int j = 0; j < 2; ++j) {
+          bfloat16_t* sb = smem.b[j] + stage * kSubTileElems;
+          if constexpr (S == GemmSchedule::kRows) {
+            const int32_t n0 = E == GemmEpilogue::kSwiGLU ? tile.n_tile * 128 + j * args.n
+                                                          : tile.n_tile * kGemmTileN + j * 128;
+            load_tile<BKMajor>(&p.tma_b, bar, sb, n0, k0, tile.expert);
+          } else {
+            load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
+          }
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int ct = threadIdx.x - 128;
+  using MmaAtom = SM90_64x128x16_F32BF16BF16_SS<major<AKMajor>(), major<BKMajor>()>;
+  auto tiled_mma = make_tiled_mma(MmaAtom{}, Layout<Shape<_2, _1, _1>>{});
+  auto thr_mma = tiled_mma.get_slice(ct);
+  Tensor sA = make_tensor(make_smem_ptr(smem.a), ring_layout<AKMajor>());
+  Tensor sB0 = make_tensor(make_smem_ptr(smem.b[0]), ring_layout<BKMajor>());
+  Tensor sB1 = make_tensor(make_smem_ptr(smem.b[1]), ring_layout<BKMajor>());
+  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, 1, 4, stage) descriptors
+  Tensor tCrB0 = thr_mma.make_fragment_B(thr_mma.partition_B(sB0));
+  Tensor tCrB1 = thr_mma.make_fragment_B(thr_mma.partition_B(sB1));
+  Tensor acc0 = partition_fragment_C(tiled_mma, Shape<_128, _128>{});
+  Tensor acc1 = partition_fragment_C(tiled_mma, Shape<_128, _128>{});
+  Tensor coord = thr_mma.partition_C(make_identity_tensor(Shape<_128, _128>{}));
+
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
+    const Tile tile = walker.at(t);
+    if (tile.k_tiles == 0) {
+      clear(acc0);
+      clear(acc1);
+    }
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int prev_stage = -1;
+    for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
+      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], phase);
+      warpgroup_fence_operand(acc0);
+      warpgroup_fence_operand(acc1);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB0(_, _, kb, stage), acc0);
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB1(_, _, kb, stage), acc1);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      // Keep one k-tile of wgmma in flight; the one before it is done, so its stage goes back.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc0);
+      warpgroup_fence_operand(acc1);
+      if (prev_stage >= 0) cutlass::arch::ClusterBarrier::arrive(&smem.empty[prev_stage]);
+      prev_stage = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc0);
+    warpgroup_fence_operand(acc1);
+    if (prev_stage >= 0) cutlass::arch::ClusterBarrier::arrive(&smem.empty[prev_stage]);
+
+    // Epilogue, straight from the accumulators: element i and i + 1 are adjacent columns of one row.
+    const int64_t n = args.n;
+    if constexpr (E == GemmEpilogue::kStore) {
+      const int64_t row_base = S == GemmSchedule::kRows ? tile.m0 : int64_t(tile.expert) * args.m + tile.m0;
+      auto* out = static_cast<__nv_bfloat16*>(args.out);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc0); i += 2) {
+        const int m = get<0>(coord(i));
+        const int c = get<1>(coord(i));
+        __nv_bfloat16* dst = out + (row_base + m) * n + tile.n_tile * kGemmTileN + c;
+        *reinterpret_cast<__nv_bfloat162*>(dst) = pack(acc0(i), acc0(i + 1));
+        *reinterpret_cast<__nv_bfloat162*>(dst + 128) = pack(acc1(i), acc1(i + 1));
+      }
+    } else if constexpr (E == GemmEpilogue::kSwiGLU) {
+      auto* out = static_cast<__nv_bfloat16*>(args.out);
+      auto* out_h = static_cast<__nv_bfloat16*>(args.out_h);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc0); i += 2) {
+        const int64_t r = tile.m0 + get<0>(coord(i));
+        const int64_t col = tile.n_tile * 128 + get<1>(coord(i));
+        // The pre-activations are rounded to bf16 first, as kept for the backward.
+        const __nv_bfloat162 g = pack(acc0(i), acc0(i + 1));
+        const __nv_bfloat162 u = pack(acc1(i), acc1(i + 1));
+        if (out_h != nullptr) {
+          *reinterpret_cast<__nv_bfloat162*>(out_h + r * 2 * n + col) = g;
+          *reinterpret_cast<__nv_bfloat162*>(out_h + r * 2 * n + n + col) = u;
+        }
+        const float2 gf = __bfloat1622float2(g);
+        const float2 uf = __bfloat1622float2(u);
+        *reinterpret_cast<__nv_bfloat162*>(out + r * n + col) = pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
+      }
+    } else {
+      // acc = da (unweighted) for columns [n_tile * 256, +256) of the activation.
+      const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
+      auto* out_dh = static_cast<__nv_bfloat16*>(args.out_dh);
+      auto* out_aw = static_cast<__nv_bfloat16*>(args.out_aw);
+      float dot[2] = {0.0f, 0.0f};
+      int64_t dot_row[2] = {0, 0};
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc0); i += 2) {
+        const int m = get<0>(coord(i));
+        const int64_t r = tile.m0 + m;
+        const float w = args.row_weight[r];
+        const int half = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
+        dot_row[half] = r;
+        CUTE_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          const float da0 = j == 0 ? acc0(i) : acc1(i);
+          const float da1 = j == 0 ? acc0(i + 1) : acc1(i + 1);
+          const int64_t col = tile.n_tile * kGemmTileN + j * 128 + get<1>(coord(i));
+          const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in_h + r * 2 * n + col));
+          const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in_h + r * 2 * n + n + col));
+          const float s0 = 1.0f / (1.0f + __expf(-g.x));
+          const float s1 = 1.0f / (1.0f + __expf(-g.y));
+          const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
+          dot[half] += da0 * a.x + da1 * a.y;
+          const float dw0 = da0 * w;
+          const float dw1 = da1 * w;
+          *reinterpret_cast<__nv_bfloat162*>(out_dh + r * 2 * n + col) =
+              pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
+          *reinterpret_cast<__nv_bfloat162*>(out_dh + r * 2 * n + n + col) = pack(dw0 * g.x * s0, dw1 * g.y * s1);
+          *reinterpret_cast<__nv_bfloat162*>(out_aw + r * n + col) = pack(w * a.x, w * a.y);
+        }
+      }
+      // The four threads of a quad share its rows; a fixed butterfly keeps the sum deterministic.
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 1);
+        dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 2);
+      }
+      if ((threadIdx.x & 3) == 0) {
+        const int64_t parts = n / kGemmTileN;
+        args.out_dot[dot_row[0] * parts + tile.n_tile] = dot[0];
+        args.out_dot[dot_row[1] * parts + tile.n_tile] = dot[1];
+      }
+    }
+  }
+#endif
+}
+
+template <GemmSchedule S, GemmEpilogue E, bool BKMajor>
+cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory ring too large");
+  auto kernel = grouped_gemm_kernel<S, E, BKMajor>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace primemoe::sm90

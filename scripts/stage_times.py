@@ -1,0 +1,83 @@
+"""Per-stage GPU times of primemoe's single-GPU forward and backward (median of CUDA events),
+to show where the layer's time goes. Usage: python scripts/stage_times.py [--tokens 8192 16384]"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from primemoe import ops, route
+
+lib = torch.ops.primemoe
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "qwen3-235b-a22b": (4096, 1536, 128, 8)}
+
+
+def timed(fn, iters=20):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def stages(shape, tokens):
+    H, I, E, K = SHAPES[shape]
+    gen = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
+    idx, w = route(torch.randn(tokens, E, device="cuda", generator=gen), K)
+    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+    dy = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
+    _, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
+    xs = lib.gather_rows(x, r2s, K, None)
+    a, h = lib.fc1_swiglu(xs, w1, off, True)
+    o = lib.expert_gemm(a, w2, off, False)
+    dy_rows = lib.gather_rows(dy, r2s, K, None)
+    rw = ops._row_weight(w, r2s)
+    dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, rw, off)
+    rows = int(off[-1])
+    flops = 2 * rows * H * I  # one H x I GEMM over the padded rows
+    table = {
+        "dispatch_layout": (lambda: lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN), 0),
+        "gather_rows x": (lambda: lib.gather_rows(x, r2s, K, None), 0),
+        "fc1_swiglu": (lambda: lib.fc1_swiglu(xs, w1, off, True), 2 * flops),
+        "fc2 expert_gemm": (lambda: lib.expert_gemm(a, w2, off, False), flops),
+        "combine_reduce": (lambda: lib.combine_reduce(o, s2r, w), 0),
+        "fc2_dgrad_swiglu": (lambda: lib.fc2_dgrad_swiglu(dy_rows, w2, h, rw, off), flops),
+        "wgrad w2": (lambda: lib.expert_wgrad(dy_rows, aw, off), flops),
+        "fc1 dgrad expert_gemm": (lambda: lib.expert_gemm(dh, w1, off, True), 2 * flops),
+        "wgrad w1": (lambda: lib.expert_wgrad(dh, xs, off), 2 * flops),
+        "forward total": (lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True), 6 * tokens * K * H * I),
+        "backward total": (lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, h, True),
+                           12 * tokens * K * H * I),
+    }
+    out = {}
+    for name, (fn, f) in table.items():
+        ms = timed(fn)
+        out[name] = {"ms": round(ms, 4), "tflops": round(f / ms / 1e9, 1) if f else None}
+        print(f"{shape:16} T={tokens:6} padded rows={rows:7} {name:24} {ms:8.3f} ms"
+              + (f"  {f / ms / 1e9:6.1f} TFLOP/s" if f else ""), flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--out", help="write the table as JSON here")
+    args = p.parse_args()
+    result = {f"{s}/{t}": stages(s, t) for s in args.shapes for t in args.tokens}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

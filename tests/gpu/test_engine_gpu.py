@@ -1,0 +1,124 @@
+"""The expert GEMM engine's CUDA kernels (csrc/gemm) against their CPU kernels, op by op, on
+the reference shapes' sizes and on awkward expert row counts (empty experts, single rows,
+exact tile multiples, one expert with most rows), with poisoned output memory."""
+
+import pytest
+import torch
+
+from engine_cases import engine_operands
+from helpers import REFERENCE_SHAPES
+
+import primemoe
+from primemoe import ops as shim
+
+pytestmark = pytest.mark.gpu
+ops = torch.ops.primemoe
+
+COUNTS = {
+    "mixed": [0, 1, 127, 128, 129, 700, 0, 300],
+    "one_heavy": [5, 0, 2000, 0, 0, 3, 0, 0],
+    "all_empty": [0, 0, 0, 0],
+}
+SHAPES = {name: REFERENCE_SHAPES[name][:2] for name in ("qwen3-30b-a3b", "qwen3-235b-a22b")} | {"small": (256, 256)}
+
+
+def poison():
+    """NaN-filled blocks freed into the caching allocator: an unwritten output reads back as NaN."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    blocks = [torch.full((1 << 28,), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def assert_rows_close(name, got, want, rows, tol=4e-3):
+    got, want = got[:rows].double().cpu(), want[:rows].double().cpu()
+    assert not got.isnan().any(), f"{name}: NaN (unwritten output)"
+    err = (got - want).norm().item()
+    scale = want.norm().item()
+    assert err <= tol * max(scale, 1e-30), f"{name}: relative error {err / max(scale, 1e-30):.2e} > {tol}"
+
+
+def both(counts, shape, seed):
+    hidden, inter = SHAPES[shape]
+    gpu = engine_operands(COUNTS[counts], hidden, inter, seed=seed, device="cuda")
+    cpu = engine_operands(COUNTS[counts], hidden, inter, seed=seed)
+    return gpu, cpu
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("counts", COUNTS)
+def test_forward_ops_match_cpu(counts, shape):
+    gpu, cpu = both(counts, shape, seed=1)
+    poison()
+    a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    a_ref, h_ref = ops.fc1_swiglu(cpu.xs, cpu.w1, cpu.offsets, True)
+    assert_rows_close("fc1 h", h, h_ref, cpu.routed_rows)
+    assert_rows_close("fc1 a", a, a_ref, cpu.routed_rows)
+    a_only, h_none = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)
+    assert h_none.shape[0] == 0 and torch.equal(a_only[:cpu.routed_rows], a[:cpu.routed_rows])
+    o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False)
+    assert_rows_close("fc2", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False), cpu.routed_rows)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("counts", COUNTS)
+def test_backward_ops_match_cpu(counts, shape):
+    gpu, cpu = both(counts, shape, seed=2)
+    poison()
+    dh, aw, dot = ops.fc2_dgrad_swiglu(gpu.dy_rows, gpu.w2, gpu.h, gpu.row_weight, gpu.offsets)
+    dh_ref, aw_ref, dot_ref = ops.fc2_dgrad_swiglu(cpu.dy_rows, cpu.w2, cpu.h, cpu.row_weight, cpu.offsets)
+    rows = cpu.routed_rows
+    assert_rows_close("dh", dh, dh_ref, rows)
+    assert_rows_close("aw", aw, aw_ref, rows)
+    assert_rows_close("dot", dot, dot_ref, rows, tol=1e-4)  # fp32 partial sums
+    dxs = ops.expert_gemm(gpu.h, gpu.w1, gpu.offsets, True)
+    assert_rows_close("fc1 dgrad", dxs, ops.expert_gemm(cpu.h, cpu.w1, cpu.offsets, True), rows)
+    for name, (lhs, rhs) in {"dw2": ("dy_rows", "a"), "dw1": ("h", "xs")}.items():
+        got = ops.expert_wgrad(getattr(gpu, lhs), getattr(gpu, rhs), gpu.offsets)
+        want = ops.expert_wgrad(getattr(cpu, lhs), getattr(cpu, rhs), cpu.offsets)
+        assert_rows_close(name, got, want, got.shape[0])
+        empty = torch.tensor(COUNTS[counts]) == 0
+        assert not got[empty.cuda()].any(), f"{name}: an expert without rows must get a zero gradient"
+
+
+def test_engine_ops_are_bitwise_repeatable():
+    gpu, _ = both("mixed", "qwen3-30b-a3b", seed=3)
+    first = ops.fc2_dgrad_swiglu(gpu.dy_rows, gpu.w2, gpu.h, gpu.row_weight, gpu.offsets)
+    again = ops.fc2_dgrad_swiglu(gpu.dy_rows, gpu.w2, gpu.h, gpu.row_weight, gpu.offsets)
+    rows = int(gpu.offsets[-1])
+    for x, y in zip(first, again):
+        assert torch.equal(x[:rows], y[:rows])
+    w = ops.expert_wgrad(gpu.h, gpu.xs, gpu.offsets)
+    assert torch.equal(w, ops.expert_wgrad(gpu.h, gpu.xs, gpu.offsets))
+
+
+def test_opcheck_engine_ops_on_cuda():
+    e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=4, device="cuda")
+    torch.library.opcheck(ops.fc1_swiglu, (e.xs, e.w1, e.offsets, True))
+    torch.library.opcheck(ops.expert_gemm, (e.a, e.w2, e.offsets, False))
+    torch.library.opcheck(ops.expert_gemm, (e.h, e.w1, e.offsets, True))
+    torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets))
+    torch.library.opcheck(ops.expert_wgrad, (e.dy_rows, e.a, e.offsets))
+
+
+def test_engine_covers_the_reference_shapes_on_this_gpu():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the engine's kernels are sm_90a")
+    for name, (hidden, inter, experts, _) in REFERENCE_SHAPES.items():
+        assert ops.expert_gemm_unsupported(0, hidden, inter) == "", name
+        x = torch.empty(1, hidden, dtype=torch.bfloat16, device="cuda")
+        w1 = torch.empty(1, 2 * inter, 1, dtype=torch.bfloat16, device="cuda")
+        assert shim.use_engine(x, w1), name
+    assert "multiple" in ops.expert_gemm_unsupported(0, 256, 128)
+
+
+def test_unsupported_size_raises_a_clear_error():
+    e = engine_operands([3, 5], hidden=256, inter=128, seed=5, device="cuda")
+    with pytest.raises(RuntimeError, match="fc2_dgrad_swiglu|multiple of 256"):
+        ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets)
+    # primemoe.moe itself falls back to torch._grouped_mm for such sizes.
+    x = torch.randn(8, 256, device="cuda").bfloat16()
+    idx = torch.randint(0, 2, (8, 2), device="cuda")
+    y = primemoe.moe(x, idx, torch.rand(8, 2, device="cuda"), e.w1, e.w2)
+    assert y.isfinite().all()
