@@ -645,13 +645,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cpu(const at::Te
   check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
   const int64_t inter = w2.size(2);
   auto da = expert_products_cpu(dy_rows, w2, offsets, true);
-  auto hf = h.to(at::kFloat);
+  // Rows past the last expert give zeros whatever their inputs, as on the GPU.
+  const int64_t routed = offsets[offsets.numel() - 1].item<int32_t>();
+  auto inside = (at::arange(dy_rows.size(0)) < routed).unsqueeze(1);
+  auto hf = at::where(inside, h.to(at::kFloat), 0.0);
   auto g = hf.slice(1, 0, inter);
   auto u = hf.slice(1, inter);
   auto s = at::sigmoid(g);
   auto a = (g * s * u).to(at::kBFloat16).to(at::kFloat);
   auto dot = (da * a).view({dy_rows.size(0), inter / kGemmTileN, kGemmTileN}).sum(-1);
-  auto w = row_weight.unsqueeze(1);
+  auto w = at::where(inside, row_weight.unsqueeze(1), 0.0);
   auto daw = da * w;
   auto dh = at::cat({daw * u * s * (1 + g * (1 - s)), daw * g * s}, 1).to(at::kBFloat16);
   return {dh, (a * w).to(at::kBFloat16), dot};

@@ -27,8 +27,9 @@ EncodeTiled encode_tiled() {
   return fn;
 }
 
-// A 3-D bf16 tensor (inner, outer, layer), inner contiguous, loaded in 128-byte swizzled boxes of
-// 64 inner elements: K-major operands take 128 outer rows per box, MN-major ones 64 (two per tile).
+// A 3-D bf16 tensor (inner, outer, layer), inner contiguous, moved in 128-byte swizzled boxes of
+// 64 inner elements: K-major operands take 128 outer rows per box, MN-major ones and the
+// epilogue's stores 64.
 cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, uint64_t layers,
                      bool k_major) {
   EncodeTiled encode = encode_tiled();
@@ -69,7 +70,10 @@ bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** w
   if (a.schedule == GemmSchedule::kExperts && (a.m <= 0 || a.m % 128 != 0)) {
     return no("the per-expert output height is not a multiple of 128");
   }
-  if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out)) return no("operands are not 16-byte aligned");
+  if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out) || !aligned16(a.out_h) || !aligned16(a.in_h) ||
+      !aligned16(a.out_dh)) {
+    return no("operands are not 16-byte aligned");
+  }
   return true;
 }
 
@@ -91,6 +95,13 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     err = make_map(&params.tma_a, a.a, a.m, rows, 1, false);
     if (err == cudaSuccess) err = make_map(&params.tma_b, a.b, a.n, rows, 1, false);
   }
+  if (err != cudaSuccess) return err;
+  const uint64_t out_rows = a.schedule == GemmSchedule::kRows ? rows : experts * uint64_t(a.m);
+  err = make_map(&params.tma_out, a.out, a.n, out_rows, 1, false);
+  const void* out2 = a.epilogue == GemmEpilogue::kSwiGLU ? a.out_h
+                     : a.epilogue == GemmEpilogue::kSwiGLUBackward ? a.out_dh
+                                                                    : nullptr;
+  if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, false);
   if (err != cudaSuccess) return err;
   const int grid = a.num_sms > 0 ? a.num_sms : 1;
   switch (a.schedule) {

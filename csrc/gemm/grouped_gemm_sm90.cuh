@@ -27,7 +27,7 @@ namespace primemoe::sm90 {
 
 using namespace cute;
 
-constexpr int kStages = 4;
+constexpr int kStages = 3;
 constexpr int kThreads = 384;
 constexpr int kSubTileElems = 128 * kGemmTileK;  // one 128 x 64 operand tile, 16 KiB
 constexpr uint32_t kStageBytes = 3 * kSubTileElems * 2;
@@ -35,6 +35,7 @@ constexpr uint32_t kStageBytes = 3 * kSubTileElems * 2;
 struct SharedStorage {
   bfloat16_t a[kStages * kSubTileElems];
   bfloat16_t b[2][kStages * kSubTileElems];
+  bfloat16_t staging[2][4 * 64 * 64];  // per consumer warpgroup: four 64 x 64 epilogue boxes
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
@@ -82,6 +83,48 @@ __device__ __forceinline__ void load_tile(const CUtensorMap* map, uint64_t* bar,
   }
 }
 
+// Epilogue staging: per consumer warpgroup, four 64 x 64 bf16 boxes in TMA's 128-byte swizzle
+// (16-byte chunk c of row r sits at chunk c ^ (r % 8)), so the accumulator layout's writes
+// (8 rows x 4 column pairs per warp instruction) hit 32 distinct banks.
+constexpr int kBoxBytes = 64 * 64 * 2;
+
+__device__ __forceinline__ uint32_t swizzled(int r, int c) {
+  return r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) << 1));
+}
+
+__device__ __forceinline__ void put_pair(uint8_t* slots, int box, int r, int c, __nv_bfloat162 v) {
+  *reinterpret_cast<__nv_bfloat162*>(slots + box * kBoxBytes + swizzled(r, c)) = v;
+}
+
+__device__ __forceinline__ __nv_bfloat162 get_pair(const uint8_t* slots, int box, int r, int c) {
+  return *reinterpret_cast<const __nv_bfloat162*>(slots + box * kBoxBytes + swizzled(r, c));
+}
+
+__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
+
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int32_t c0, int32_t c1) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
+               :
+               : "l"(map), "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(0)
+               : "memory");
+}
+
+__device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+// Before writing the slots: the previous TMA stores have finished reading them.
+__device__ __forceinline__ void staging_acquire(int wg, int wtid) {
+  if (wtid == 0) store_wait_read();
+  wg_sync(wg);
+}
+
+// After writing the slots: make the generic-proxy writes visible to TMA, then one thread stores.
+__device__ __forceinline__ void staging_release(int wg) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  wg_sync(wg);
+}
+
 struct Tile {
   int32_t expert;
   int32_t m0;       // kRows: first row; kExperts: first output row of the expert's block
@@ -99,13 +142,17 @@ struct TileWalker {
   int32_t n_tiles;
   int32_t m_tiles;
   int64_t total;
+  int32_t routed_rows = 0;
   int32_t expert = 0;
 
   __device__ explicit TileWalker(const GroupedGemmArgs& a) : args(a) {
     n_tiles = E == GemmEpilogue::kSwiGLU ? a.n / 128 : a.n / kGemmTileN;
     if constexpr (S == GemmSchedule::kRows) {
+      // Every allocated row gets a tile: rows past the last expert are written as zeros, so no
+      // output element is left undefined.
       m_tiles = 0;
-      total = int64_t(a.expert_offsets[a.num_experts] / kGemmRowAlign) * n_tiles;
+      routed_rows = a.expert_offsets[a.num_experts];
+      total = (a.num_rows + kGemmRowAlign - 1) / kGemmRowAlign * n_tiles;
     } else {
       m_tiles = a.m / 128;
       total = int64_t(a.num_experts) * m_tiles * n_tiles;
@@ -116,6 +163,7 @@ struct TileWalker {
     Tile tile;
     if constexpr (S == GemmSchedule::kRows) {
       const int32_t row0 = int32_t(t / n_tiles) * kGemmRowAlign;
+      if (row0 >= routed_rows) return {args.num_experts, row0, int32_t(t % n_tiles), 0, 0};
       while (args.expert_offsets[expert + 1] <= row0) ++expert;
       tile = {expert, row0, int32_t(t % n_tiles), 0, args.k / kGemmTileK};
     } else {
@@ -163,7 +211,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     int32_t ready_expert = -1;
     for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
       const Tile tile = walker.at(t);
-      if (S == GemmSchedule::kRows && args.hook.counters != nullptr && tile.expert != ready_expert) {
+      if (S == GemmSchedule::kRows && args.hook.counters != nullptr && tile.k_tiles > 0 &&
+          tile.expert != ready_expert) {
         const uint64_t target = uint64_t(*args.hook.epoch) * args.hook.per_epoch;
         wait_at_least(args.hook.counters + tile.expert, target, args.hook.timeout_ns, args.error, args.hook.rank, -1,
                       tile.expert, kWaitGemmRows);
@@ -213,7 +262,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   Tensor tCrB1 = thr_mma.make_fragment_B(thr_mma.partition_B(sB1));
   Tensor acc0 = partition_fragment_C(tiled_mma, Shape<_128, _128>{});
   Tensor acc1 = partition_fragment_C(tiled_mma, Shape<_128, _128>{});
-  Tensor coord = thr_mma.partition_C(make_identity_tensor(Shape<_128, _128>{}));
 
   int stage = 0;
   uint32_t phase = 0;
@@ -253,68 +301,129 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_fence_operand(acc1);
     if (prev_stage >= 0) cutlass::arch::ClusterBarrier::arrive(&smem.empty[prev_stage]);
 
-    // Epilogue, straight from the accumulators: element i and i + 1 are adjacent columns of one row.
+    // Epilogue: each consumer warpgroup writes its 64 rows as 64 x 64 boxes into its staging
+    // slots (128-byte swizzled, conflict-free) and one thread hands them to TMA stores, which
+    // drain while the warpgroup already runs the next tile's mainloop. TMA clips rows past
+    // the tensor, and kRows tiles past the routed rows (k_tiles == 0) hold zeros.
     const int64_t n = args.n;
+    const int wg = ct / 128;
+    const int wtid = ct % 128;
+    // wgmma's accumulator fragment: value i of a thread sits at row frag_row + 8 * ((i >> 1) & 1)
+    // of its warpgroup's 64 rows and column frag_col + 8 * (i >> 2) + (i & 1).
+    const int frag_row = 16 * (wtid / 32) + (wtid % 32) / 4;
+    const int frag_col = 2 * (wtid % 4);
+    uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
+    const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
     if constexpr (E == GemmEpilogue::kStore) {
-      const int64_t row_base = S == GemmSchedule::kRows ? tile.m0 : int64_t(tile.expert) * args.m + tile.m0;
-      auto* out = static_cast<__nv_bfloat16*>(args.out);
+      staging_acquire(wg, wtid);
       CUTE_UNROLL
       for (int i = 0; i < size(acc0); i += 2) {
-        const int m = get<0>(coord(i));
-        const int c = get<1>(coord(i));
-        __nv_bfloat16* dst = out + (row_base + m) * n + tile.n_tile * kGemmTileN + c;
-        *reinterpret_cast<__nv_bfloat162*>(dst) = pack(acc0(i), acc0(i + 1));
-        *reinterpret_cast<__nv_bfloat162*>(dst + 128) = pack(acc1(i), acc1(i + 1));
+        const int r = frag_row + 8 * ((i >> 1) & 1);
+        const int c = frag_col + 8 * (i >> 2);
+        put_pair(slots, c / 64, r, c % 64, pack(acc0(i), acc0(i + 1)));
+        put_pair(slots, 2 + c / 64, r, c % 64, pack(acc1(i), acc1(i + 1)));
+      }
+      staging_release(wg);
+      if (wtid == 0) {
+        for (int b = 0; b < 4; ++b) tma_store(&p.tma_out, slots + b * kBoxBytes, tile.n_tile * kGemmTileN + 64 * b, row0);
+        store_commit();
       }
     } else if constexpr (E == GemmEpilogue::kSwiGLU) {
-      auto* out = static_cast<__nv_bfloat16*>(args.out);
-      auto* out_h = static_cast<__nv_bfloat16*>(args.out_h);
+      // The pre-activations are rounded to bf16 first, as kept for the backward.
+      if (args.out_h != nullptr) {
+        staging_acquire(wg, wtid);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc0); i += 2) {
+          const int r = frag_row + 8 * ((i >> 1) & 1);
+          const int c = frag_col + 8 * (i >> 2);
+          put_pair(slots, c / 64, r, c % 64, pack(acc0(i), acc0(i + 1)));
+          put_pair(slots, 2 + c / 64, r, c % 64, pack(acc1(i), acc1(i + 1)));
+        }
+        staging_release(wg);
+        if (wtid == 0) {
+          for (int b = 0; b < 4; ++b) {
+            const int32_t col = (b < 2 ? 0 : int32_t(n)) + tile.n_tile * 128 + 64 * (b % 2);
+            tma_store(&p.tma_out2, slots + b * kBoxBytes, col, row0);
+          }
+          store_commit();
+        }
+      }
+      staging_acquire(wg, wtid);
       CUTE_UNROLL
       for (int i = 0; i < size(acc0); i += 2) {
-        const int64_t r = tile.m0 + get<0>(coord(i));
-        const int64_t col = tile.n_tile * 128 + get<1>(coord(i));
-        // The pre-activations are rounded to bf16 first, as kept for the backward.
-        const __nv_bfloat162 g = pack(acc0(i), acc0(i + 1));
-        const __nv_bfloat162 u = pack(acc1(i), acc1(i + 1));
-        if (out_h != nullptr) {
-          *reinterpret_cast<__nv_bfloat162*>(out_h + r * 2 * n + col) = g;
-          *reinterpret_cast<__nv_bfloat162*>(out_h + r * 2 * n + n + col) = u;
-        }
-        const float2 gf = __bfloat1622float2(g);
-        const float2 uf = __bfloat1622float2(u);
-        *reinterpret_cast<__nv_bfloat162*>(out + r * n + col) = pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
+        const int r = frag_row + 8 * ((i >> 1) & 1);
+        const int c = frag_col + 8 * (i >> 2);
+        const float2 g = __bfloat1622float2(pack(acc0(i), acc0(i + 1)));
+        const float2 u = __bfloat1622float2(pack(acc1(i), acc1(i + 1)));
+        put_pair(slots, c / 64, r, c % 64, pack(silu(g.x) * u.x, silu(g.y) * u.y));
+      }
+      staging_release(wg);
+      if (wtid == 0) {
+        for (int b = 0; b < 2; ++b) tma_store(&p.tma_out, slots + b * kBoxBytes, tile.n_tile * 128 + 64 * b, row0);
+        store_commit();
       }
     } else {
-      // acc = da (unweighted) for columns [n_tile * 256, +256) of the activation.
+      // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
+      // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
+      // loads), are overwritten in place by their gradients, slot 2 takes weight * a.
+      // Past the routed rows the inputs are undefined: zeros are used instead of them.
+      const bool routed = tile.k_tiles > 0;
       const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
-      auto* out_dh = static_cast<__nv_bfloat16*>(args.out_dh);
-      auto* out_aw = static_cast<__nv_bfloat16*>(args.out_aw);
       float dot[2] = {0.0f, 0.0f};
-      int64_t dot_row[2] = {0, 0};
+      float w[2];
       CUTE_UNROLL
-      for (int i = 0; i < size(acc0); i += 2) {
-        const int m = get<0>(coord(i));
-        const int64_t r = tile.m0 + m;
-        const float w = args.row_weight[r];
-        const int half = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
-        dot_row[half] = r;
+      for (int h = 0; h < 2; ++h) {
+        const int64_t r = int64_t(row0) + frag_row + 8 * h;
+        w[h] = routed && r < args.num_rows ? args.row_weight[r] : 0.0f;
+      }
+      CUTE_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
+        staging_acquire(wg, wtid);
+#pragma unroll 1
+        for (int v = 0; v < 4; ++v) {  // 64 rows x 8 chunks of 16 bytes per box, 128 threads
+          const int idx = wtid + 128 * v;
+          const int r = idx / 8;
+          const int chunk = idx % 8;
+          const int64_t grow = int64_t(row0) + r;
+          uint4 g = make_uint4(0, 0, 0, 0);
+          uint4 u = g;
+          if (routed && grow < args.num_rows) {
+            const __nv_bfloat16* src = in_h + grow * 2 * n + col0 + chunk * 8;
+            g = *reinterpret_cast<const uint4*>(src);
+            u = *reinterpret_cast<const uint4*>(src + n);
+          }
+          *reinterpret_cast<uint4*>(slots + swizzled(r, chunk * 8)) = g;
+          *reinterpret_cast<uint4*>(slots + kBoxBytes + swizzled(r, chunk * 8)) = u;
+        }
+        wg_sync(wg);
+        // This quarter is accumulator (q / 2), value indices [32 (q % 2), +32): column groups of 8.
         CUTE_UNROLL
-        for (int j = 0; j < 2; ++j) {
-          const float da0 = j == 0 ? acc0(i) : acc1(i);
-          const float da1 = j == 0 ? acc0(i + 1) : acc1(i + 1);
-          const int64_t col = tile.n_tile * kGemmTileN + j * 128 + get<1>(coord(i));
-          const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in_h + r * 2 * n + col));
-          const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in_h + r * 2 * n + n + col));
+        for (int i = 32 * (q % 2); i < 32 * (q % 2) + 32; i += 2) {
+          const float da0 = q < 2 ? acc0(i) : acc1(i);
+          const float da1 = q < 2 ? acc0(i + 1) : acc1(i + 1);
+          const int half = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
+          const int r = frag_row + 8 * half;
+          const int c = (frag_col + 8 * (i >> 2)) % 64;
+          const float2 g = __bfloat1622float2(get_pair(slots, 0, r, c));
+          const float2 u = __bfloat1622float2(get_pair(slots, 1, r, c));
           const float s0 = 1.0f / (1.0f + __expf(-g.x));
           const float s1 = 1.0f / (1.0f + __expf(-g.y));
           const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
           dot[half] += da0 * a.x + da1 * a.y;
-          const float dw0 = da0 * w;
-          const float dw1 = da1 * w;
-          *reinterpret_cast<__nv_bfloat162*>(out_dh + r * 2 * n + col) =
-              pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1)));
-          *reinterpret_cast<__nv_bfloat162*>(out_dh + r * 2 * n + n + col) = pack(dw0 * g.x * s0, dw1 * g.y * s1);
-          *reinterpret_cast<__nv_bfloat162*>(out_aw + r * n + col) = pack(w * a.x, w * a.y);
+          const float dw0 = da0 * w[half];
+          const float dw1 = da1 * w[half];
+          put_pair(slots, 0, r, c,
+                   pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1))));
+          put_pair(slots, 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
+          put_pair(slots, 2, r, c, pack(w[half] * a.x, w[half] * a.y));
+        }
+        staging_release(wg);
+        if (wtid == 0) {
+          tma_store(&p.tma_out2, slots, col0, row0);
+          tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0);
+          tma_store(&p.tma_out, slots + 2 * kBoxBytes, col0, row0);
+          store_commit();
         }
       }
       // The four threads of a quad share its rows; a fixed butterfly keeps the sum deterministic.
@@ -322,14 +431,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       for (int h = 0; h < 2; ++h) {
         dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 1);
         dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 2);
-      }
-      if ((threadIdx.x & 3) == 0) {
-        const int64_t parts = n / kGemmTileN;
-        args.out_dot[dot_row[0] * parts + tile.n_tile] = dot[0];
-        args.out_dot[dot_row[1] * parts + tile.n_tile] = dot[1];
+        const int64_t r = int64_t(row0) + frag_row + 8 * h;
+        if ((threadIdx.x & 3) == 0 && r < args.num_rows) args.out_dot[r * (n / kGemmTileN) + tile.n_tile] = dot[h];
       }
     }
   }
+  // The staging slots must outlive the TMA stores that read them.
+  if ((ct % 128) == 0) store_wait_read();
 #endif
 }
 

@@ -9,7 +9,6 @@ namespace primemoe {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int kVec = 8;  // bf16 per 16-byte access
 
 template <typename T>
@@ -33,8 +32,34 @@ __device__ __forceinline__ float slot_weight(const void* w, ScaleType type, int6
                                       : static_cast<const float*>(w)[slot];
 }
 
+constexpr int kRowThreads = 512;  // row kernels: more warps per SM keep more NVLink stores in flight
+constexpr int kRowWarps = kRowThreads / 32;
+constexpr int kCopyUnroll = 8;
+
+// A warp copies one row: all its loads are issued before its (remote) stores, kCopyUnroll
+// 16-byte vectors per lane at a time, so the copy is bound by bandwidth, not load latency.
 __device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int vecs, int lane) {
-  for (int v = lane; v < vecs; v += 32) dst[v] = src[v];
+  for (int base = lane; base < vecs; base += 32 * kCopyUnroll) {
+    uint4 buf[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (base + 32 * u < vecs) buf[u] = __ldg(src + base + 32 * u);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (base + 32 * u < vecs) dst[base + 32 * u] = buf[u];
+    }
+  }
+}
+
+// Each warp takes one contiguous range of rows, so it makes its rows visible and counts
+// them once per run of rows with the same (destination, expert) or source, not once per row.
+__device__ __forceinline__ void warp_row_range(int32_t total, int32_t* begin, int32_t* end) {
+  const int32_t warps = gridDim.x * kRowWarps;
+  const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
+  const int32_t per_warp = (total + warps - 1) / warps;
+  *begin = min(total, warp * per_warp);
+  *end = min(total, *begin + per_warp);
 }
 
 __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
@@ -104,22 +129,41 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) ep_dispatch_rows_kernel(EpDispatchArgs a) {
+__global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatchArgs a) {
   const EpConfig& c = a.cfg;
   const int E = c.local_experts, me = c.rank, H = c.hidden, K = c.top_k;
   const int lane = threadIdx.x % 32;
   const int64_t S = c.max_slots();
-  const int32_t total = a.send_offsets[int64_t(c.world) * E];
   __nv_bfloat16* recv_rows = region<__nv_bfloat16>(a.workspace, a.layout.recv_rows);
   int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
   float* recv_weights = region<float>(a.workspace, a.layout.recv_weights);
   uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
 
-  for (int32_t r = blockIdx.x * kWarps + threadIdx.x / 32; r < total; r += gridDim.x * kWarps) {
+  int32_t begin, end;
+  warp_row_range(a.send_offsets[int64_t(c.world) * E], &begin, &end);
+  int64_t run_g = -1;  // global expert of the current run of rows
+  int32_t run_rows = 0;
+  // Rows of a run are visible on their destination before the run is counted there; the
+  // run that completes a (destination, expert) pair signals its arrival counter.
+  auto finish_run = [&]() {
+    if (run_rows == 0) return;
+    __syncwarp();
+    __threadfence_system();
+    if (lane == 0 && atomicAdd(&a.scratch.send_done[run_g], run_rows) + run_rows == a.send_counts[run_g]) {
+      __threadfence_system();
+      nvshmemx_signal_op(arrivals + run_g % E, 1, NVSHMEM_SIGNAL_ADD, static_cast<int>(run_g / E));
+    }
+    run_rows = 0;
+  };
+  for (int32_t r = begin; r < end; ++r) {
     const int32_t slot = a.send_row_to_slot[r];
     const int64_t g = expert_id(a.topk_idx, a.idx_is_int64, slot);
-    const int dest = static_cast<int>(g / E), e = static_cast<int>(g % E);
+    if (g != run_g) {
+      finish_run();
+      run_g = g;
+    }
+    const int dest = static_cast<int>(g / E);
     const int64_t pos = a.scratch.send_base[g] + (r - a.send_offsets[g]);
     copy_row(reinterpret_cast<uint4*>(on_peer(recv_rows + pos * H, dest)),
              reinterpret_cast<const uint4*>(x + int64_t(slot / K) * H), H / kVec, lane);
@@ -127,13 +171,9 @@ __global__ void __launch_bounds__(kThreads) ep_dispatch_rows_kernel(EpDispatchAr
       *on_peer(recv_meta + pos, dest) = static_cast<int32_t>(me * S + slot);
       *on_peer(recv_weights + pos, dest) = slot_weight(a.topk_weights, a.weight_type, slot);
     }
-    __syncwarp();
-    __threadfence_system();
-    if (lane == 0 && atomicAdd(&a.scratch.send_done[g], 1) + 1 == a.send_counts[g]) {
-      __threadfence_system();
-      nvshmemx_signal_op(arrivals + e, 1, NVSHMEM_SIGNAL_ADD, dest);
-    }
+    ++run_rows;
   }
+  finish_run();
 }
 
 __global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchArgs a) {
@@ -143,13 +183,12 @@ __global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchAr
     wait_at_least(arrivals + e, target, a.timeout_ns, a.error, a.cfg.rank, -1, e, kWaitArrivals);
 }
 
-__global__ void __launch_bounds__(kThreads) ep_combine_rows_kernel(EpCombineArgs a) {
+__global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineArgs a) {
   const EpConfig& c = a.cfg;
   const int W = c.world, H = c.hidden, me = c.rank;
   const int lane = threadIdx.x % 32;
   const int64_t S = c.max_slots();
   const uint64_t epoch = *a.epoch;
-  const int32_t total = a.expert_offsets[c.local_experts];
   const int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
   __nv_bfloat16* combine_rows = region<__nv_bfloat16>(a.workspace, a.layout.combine_rows);
   float* combine_scalars = region<float>(a.workspace, a.layout.combine_scalars);
@@ -161,21 +200,35 @@ __global__ void __launch_bounds__(kThreads) ep_combine_rows_kernel(EpCombineArgs
       if (a.scratch.recv_from[src] == 0) nvshmemx_signal_op(combine_flags + me, epoch, NVSHMEM_SIGNAL_SET, src);
     }
   }
-  for (int32_t r = blockIdx.x * kWarps + threadIdx.x / 32; r < total; r += gridDim.x * kWarps) {
+  int32_t begin, end;
+  warp_row_range(a.expert_offsets[c.local_experts], &begin, &end);
+  int run_src = -1;  // source rank of the current run of rows
+  int32_t run_rows = 0;
+  auto finish_run = [&]() {
+    if (run_rows == 0) return;
+    __syncwarp();
+    __threadfence_system();
+    if (lane == 0 && atomicAdd(&a.scratch.combine_done[run_src], run_rows) + run_rows == a.scratch.recv_from[run_src]) {
+      __threadfence_system();
+      nvshmemx_signal_op(combine_flags + me, epoch, NVSHMEM_SIGNAL_SET, run_src);
+    }
+    run_rows = 0;
+  };
+  for (int32_t r = begin; r < end; ++r) {
     const int32_t meta = recv_meta[r];
-    if (meta < 0) continue;
+    if (meta < 0) continue;  // padding row
     const int src = static_cast<int>(meta / S);
+    if (src != run_src) {
+      finish_run();
+      run_src = src;
+    }
     const int64_t slot = meta % S;
     copy_row(reinterpret_cast<uint4*>(on_peer(combine_rows + slot * H, src)),
              reinterpret_cast<const uint4*>(rows + int64_t(r) * H), H / kVec, lane);
     if (lane == 0 && a.row_scalars != nullptr) *on_peer(combine_scalars + slot, src) = a.row_scalars[r];
-    __syncwarp();
-    __threadfence_system();
-    if (lane == 0 && atomicAdd(&a.scratch.combine_done[src], 1) + 1 == a.scratch.recv_from[src]) {
-      __threadfence_system();
-      nvshmemx_signal_op(combine_flags + me, epoch, NVSHMEM_SIGNAL_SET, src);
-    }
+    ++run_rows;
   }
+  finish_run();
 }
 
 __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs a) {
@@ -193,7 +246,7 @@ cudaError_t launch_ep_dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(a.scratch.send_done, 0, pairs * sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
   ep_notify_kernel<<<1, kThreads, 0, stream>>>(a);
-  ep_dispatch_rows_kernel<<<a.num_blocks, kThreads, 0, stream>>>(a);
+  ep_dispatch_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
   ep_wait_arrivals_kernel<<<1, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
@@ -202,7 +255,7 @@ cudaError_t launch_ep_combine(const EpCombineArgs& a, cudaStream_t stream) {
   if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
   cudaError_t err = cudaMemsetAsync(a.scratch.combine_done, 0, size_t(a.cfg.world) * sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  ep_combine_rows_kernel<<<a.num_blocks, kThreads, 0, stream>>>(a);
+  ep_combine_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
   ep_wait_combine_kernel<<<1, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
