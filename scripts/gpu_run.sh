@@ -2,8 +2,9 @@
 # One device call: build primemoe on the GPU machine (no network there: the
 # nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
 # the benchmark. Logs and results land in $OUT (default ./gpu-out).
-#   scripts/gpu_run.sh [smoke|tests|gputests|main|bench|bench1|stages|comm|sanitize|sass ...]   (default: tests main bench)
-# gputests: the GPU suite without the two-GPU tests; bench1: the benchmark at EP = 1 only;
+#   scripts/gpu_run.sh [smoke|tests|gputests|multigpu|main|bench|bench1|bench2|stages|comm|sanitize|sass ...]   (default: tests main bench)
+# gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
+# benchmark at EP = 1 / EP = 2 only;
 # smoke: one small forward+backward (stops the run if it fails or hangs); stages: per-stage times of the single-GPU layer (scripts/stage_times.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,9 @@ for step in $STEPS; do
     tests) $PY -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
     smoke) timeout 120 $PY scripts/sanitize_case.py 2>&1 | tee "$OUT/smoke.log" | tail -5
            [ "${PIPESTATUS[0]}" = 0 ] || { echo "smoke case failed: stopping"; exit 1; } ;;
+    multigpu) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 | tee "$OUT/pytest-multigpu.log" | tail -20 ;;
+    bench2) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
+             --out "$OUT/bench2" 2>&1 | tee "$OUT/bench2.log" | tail -30 ;;
     gputests) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m "not multigpu" 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
     bench1) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 \
              --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;

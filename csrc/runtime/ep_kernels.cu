@@ -156,22 +156,38 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
     }
     run_rows = 0;
   };
-  for (int32_t r = begin; r < end; ++r) {
-    const int32_t slot = a.send_row_to_slot[r];
-    const int64_t g = expert_id(a.topk_idx, a.idx_is_int64, slot);
-    if (g != run_g) {
-      finish_run();
-      run_g = g;
+  for (int32_t batch = begin; batch < end; batch += 32) {
+    // Lane l looks up row batch + l (slot, expert, position on the destination, weight), so the
+    // row loop below starts each copy without a chain of dependent loads.
+    const int32_t mine = batch + lane;
+    int32_t my_slot = 0;
+    int64_t my_g = 0;
+    int64_t my_pos = 0;
+    float my_weight = 0.0f;
+    if (mine < end) {
+      my_slot = a.send_row_to_slot[mine];
+      my_g = expert_id(a.topk_idx, a.idx_is_int64, my_slot);
+      my_pos = a.scratch.send_base[my_g] + (mine - a.send_offsets[my_g]);
+      my_weight = slot_weight(a.topk_weights, a.weight_type, my_slot);
     }
-    const int dest = static_cast<int>(g / E);
-    const int64_t pos = a.scratch.send_base[g] + (r - a.send_offsets[g]);
-    copy_row(reinterpret_cast<uint4*>(on_peer(recv_rows + pos * H, dest)),
-             reinterpret_cast<const uint4*>(x + int64_t(slot / K) * H), H / kVec, lane);
-    if (lane == 0) {
-      *on_peer(recv_meta + pos, dest) = static_cast<int32_t>(me * S + slot);
-      *on_peer(recv_weights + pos, dest) = slot_weight(a.topk_weights, a.weight_type, slot);
+    const int rows = min(32, end - batch);
+    for (int i = 0; i < rows; ++i) {
+      const int32_t slot = __shfl_sync(0xffffffffu, my_slot, i);
+      const int64_t g = __shfl_sync(0xffffffffu, my_g, i);
+      const int64_t pos = __shfl_sync(0xffffffffu, my_pos, i);
+      if (g != run_g) {
+        finish_run();
+        run_g = g;
+      }
+      const int dest = static_cast<int>(g / E);
+      copy_row(reinterpret_cast<uint4*>(on_peer(recv_rows + pos * H, dest)),
+               reinterpret_cast<const uint4*>(x + int64_t(slot / K) * H), H / kVec, lane);
+      if (lane == i) {
+        *on_peer(recv_meta + pos, dest) = static_cast<int32_t>(me * S + slot);
+        *on_peer(recv_weights + pos, dest) = my_weight;
+      }
+      ++run_rows;
     }
-    ++run_rows;
   }
   finish_run();
 }
@@ -193,7 +209,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
   __nv_bfloat16* combine_rows = region<__nv_bfloat16>(a.workspace, a.layout.combine_rows);
   float* combine_scalars = region<float>(a.workspace, a.layout.combine_scalars);
   uint64_t* combine_flags = region<uint64_t>(a.workspace, a.layout.combine_flags);
-  const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(a.rows);
+  const __nv_bfloat16* rows_in = static_cast<const __nv_bfloat16*>(a.rows);
 
   if (blockIdx.x == 0) {
     for (int src = threadIdx.x; src < W; src += blockDim.x) {
@@ -214,19 +230,25 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
     }
     run_rows = 0;
   };
-  for (int32_t r = begin; r < end; ++r) {
-    const int32_t meta = recv_meta[r];
-    if (meta < 0) continue;  // padding row
-    const int src = static_cast<int>(meta / S);
-    if (src != run_src) {
-      finish_run();
-      run_src = src;
+  for (int32_t batch = begin; batch < end; batch += 32) {
+    const int32_t mine = batch + lane;  // lane l looks up row batch + l
+    const int32_t my_meta = mine < end ? recv_meta[mine] : -1;
+    const float my_scalar = mine < end && a.row_scalars != nullptr ? a.row_scalars[mine] : 0.0f;
+    const int rows = min(32, end - batch);
+    for (int i = 0; i < rows; ++i) {
+      const int32_t meta = __shfl_sync(0xffffffffu, my_meta, i);
+      if (meta < 0) continue;  // padding row
+      const int src = static_cast<int>(meta / S);
+      if (src != run_src) {
+        finish_run();
+        run_src = src;
+      }
+      const int64_t slot = meta % S;
+      copy_row(reinterpret_cast<uint4*>(on_peer(combine_rows + slot * H, src)),
+               reinterpret_cast<const uint4*>(rows_in + int64_t(batch + i) * H), H / kVec, lane);
+      if (lane == i && a.row_scalars != nullptr) *on_peer(combine_scalars + slot, src) = my_scalar;
+      ++run_rows;
     }
-    const int64_t slot = meta % S;
-    copy_row(reinterpret_cast<uint4*>(on_peer(combine_rows + slot * H, src)),
-             reinterpret_cast<const uint4*>(rows + int64_t(r) * H), H / kVec, lane);
-    if (lane == 0 && a.row_scalars != nullptr) *on_peer(combine_scalars + slot, src) = a.row_scalars[r];
-    ++run_rows;
   }
   finish_run();
 }
