@@ -140,6 +140,18 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
   uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
 
+  // This rank's padding rows (each local expert's range rounded up to row_align) get zeros: no
+  // peer writes them, and the expert GEMMs reduce over whole tiles, so stale data (NaN or Inf
+  // included) must not stay there.
+  const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
+  for (int e = 0; e < E; ++e) {
+    const int32_t first = a.expert_offsets[e] + a.expert_counts[e];
+    for (int32_t r = first + warp; r < a.expert_offsets[e + 1]; r += gridDim.x * kRowWarps) {
+      uint4* row = reinterpret_cast<uint4*>(recv_rows + int64_t(r) * H);
+      for (int v = lane; v < H / kVec; v += 32) row[v] = make_uint4(0, 0, 0, 0);
+    }
+  }
+
   int32_t begin, end;
   warp_row_range(a.send_offsets[int64_t(c.world) * E], &begin, &end);
   int64_t run_g = -1;  // global expert of the current run of rows

@@ -192,12 +192,14 @@ class Buffer:
     (``local_experts = num_experts // world``, global ids ``rank * local_experts + e``)
     on at most ``max_tokens_per_rank`` tokens per rank. Collective: every rank of
     ``group`` creates it with the same arguments, and calls ``close()`` (or exits).
-    ``row_align``: each local expert's received rows start at a multiple of it.
+    ``row_align``: each local expert's received rows start at a multiple of it (padding rows
+    are zero); the expert GEMM engine needs a multiple of 128 (the default), else the
+    experts run on ``torch._grouped_mm``.
     ``num_sms``: SMs the dispatch/combine kernels use.
     """
 
     def __init__(self, group, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
-                 precision="bf16", row_align=1, num_sms=24):
+                 precision="bf16", row_align=128, num_sms=24):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
         check_precision(precision)

@@ -1,9 +1,9 @@
 """``primemoe.moe(..., buffer=buf)``: expert parallelism over the NVSHMEM workspace of a Buffer.
 
 Forward: ``ep_dispatch`` writes every routed row into its expert's rank, in expert-major
-order (``recv_rows``); the local experts run as ``torch._grouped_mm`` over that region
-(the engine's kernels need zeroed, tile-aligned padding rows, which the receive region
-does not have yet);
+order (``recv_rows``, each expert's range padded with zero rows to ``buffer.row_align``);
+the local experts run on the expert GEMM engine over that region (``torch._grouped_mm``
+where the engine does not apply: see ``ops.use_engine`` and ``row_align``);
 ``ep_combine`` pushes each result row back to its source slot (``combine_rows``) and the
 deterministic ``combine_reduce`` kernel sums a token's K slots. Backward dispatches
 ``dy`` with the same routing, so it lands in the same receive layout as ``x`` did, and
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._validate import check_moe_inputs
-from .ops import expert_backward, expert_forward
+from .ops import ROW_ALIGN, expert_backward, expert_forward, use_engine
 
 lib = torch.ops.primemoe
 
@@ -66,11 +66,13 @@ class _ExpertParallelMoE(torch.autograd.Function):
         T, K = topk_idx.shape
         _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
         xs = buffer.region("recv_rows")
-        o, h = expert_forward(xs, w1, w2, offsets, keep_fc1, engine=False)
+        engine = use_engine(x, w1) and buffer.row_align % ROW_ALIGN == 0
+        o, h = expert_forward(xs, w1, w2, offsets, keep_fc1, engine)
         buffer.combine(o, offsets)
         y = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), topk_weights)
         if wants_grad:
             ctx.buffer = buffer
+            ctx.engine = engine
             # The next dispatch (of any layer sharing the buffer) overwrites the receive region.
             ctx.save_for_backward(xs.clone(), h if keep_fc1 else None, topk_idx, topk_weights, w1, w2)
         return y
@@ -85,11 +87,11 @@ class _ExpertParallelMoE(torch.autograd.Function):
         # rank's receive region before that dispatch has exchanged its counts: no copies needed.
         _, offsets, slot_valid = buffer.dispatch(dy.contiguous(), topk_idx, topk_weights)
         dy_rows = buffer.region("recv_rows")
-        # Padding rows (meta -1) lie inside the experts' row ranges with stale data: weight 0 keeps them
-        # out of dw. Rows past offsets[-1] are in no expert's range and are never sent back.
+        # Padding rows (meta -1) are zero and get weight 0. Rows past offsets[-1] are in no expert's
+        # range and are never sent back.
         row_weight = torch.where(buffer.region("recv_meta") >= 0, buffer.region("recv_weights"), 0.0)
         # dtw_rows: one fp32 dot per received row, sent back to its slot as the routing-weight gradient.
-        dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine=False)
+        dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, ctx.engine)
         buffer.combine(dxs, offsets, dtw_rows)
         dx = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)
         d_topk_weights = torch.where(slot_valid, buffer.region("combine_scalars")[:T * K].view(T, K), 0.0)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 # NVLink multicast must stay off on the test machine.
 MULTICAST_OFF = dict(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-SHAPE = (256, 128, 8, 2)  # H, I, E (E_local = 4 per rank at W=2), K
+SHAPE = (256, 256, 8, 2)  # H, I, E (E_local = 4 per rank at W=2), K: sizes the expert GEMM engine covers
 
 
 def run_ranks(tmp_path, monkeypatch, fn, world, *args, timeout_s=600):
@@ -106,12 +106,13 @@ DISPATCH_CASES = {
 }
 
 
-def expected_receive(inputs, rank):
-    """What ``rank`` receives: for each local expert, sources in rank order, each source's slots in order."""
-    E, K = DISPATCH_SIZES["num_experts"], DISPATCH_SIZES["top_k"]
+def expected_receive(inputs, rank, row_align):
+    """What ``rank`` receives: for each local expert, sources in rank order, each source's slots in
+    order, then zero rows (meta -1) up to a multiple of ``row_align``."""
+    E, K, H = DISPATCH_SIZES["num_experts"], DISPATCH_SIZES["top_k"], DISPATCH_SIZES["hidden"]
     local = E // WORLD
     max_slots = DISPATCH_SIZES["max_tokens_per_rank"] * K
-    rows, meta, weights, counts = [], [], [], []
+    rows, meta, weights, counts, offsets = [], [], [], [], [0]
     for expert in range(rank * local, (rank + 1) * local):
         counts.append(0)
         for src, (x, topk_idx, topk_weights) in enumerate(inputs):
@@ -120,31 +121,40 @@ def expected_receive(inputs, rank):
             meta.append((src * max_slots + slots).int())
             weights.append(topk_weights.reshape(-1)[slots].float())
             counts[-1] += slots.numel()
-    counts = torch.tensor(counts, dtype=torch.int32)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()])
-    return dict(counts=counts, offsets=offsets, recv_rows=torch.cat(rows), recv_meta=torch.cat(meta),
-                recv_weights=torch.cat(weights))
+        pad = -counts[-1] % row_align
+        rows.append(torch.zeros(pad, H, dtype=torch.bfloat16))
+        meta.append(torch.full((pad,), -1, dtype=torch.int32))
+        weights.append(torch.zeros(pad))  # unspecified on padding rows: not compared
+        offsets.append(offsets[-1] + counts[-1] + pad)
+    return dict(counts=torch.tensor(counts, dtype=torch.int32), offsets=torch.tensor(offsets, dtype=torch.int32),
+                recv_rows=torch.cat(rows), recv_meta=torch.cat(meta), recv_weights=torch.cat(weights))
 
 
-@pytest.fixture(scope="module")
-def dispatch_results(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 128], ids=["row_align1", "row_align128"])
+def dispatch_results(tmp_path_factory, request):
     tmp_path = tmp_path_factory.mktemp("ep_dispatch")
     cases_path = tmp_path / "cases.pt"
-    torch.save({"sizes": DISPATCH_SIZES, "cases": {name: {"inputs": inputs} for name, inputs in DISPATCH_CASES.items()}},
+    sizes = dict(DISPATCH_SIZES, row_align=request.param)
+    torch.save({"sizes": sizes, "cases": {name: {"inputs": inputs} for name, inputs in DISPATCH_CASES.items()}},
                cases_path)
     with pytest.MonkeyPatch.context() as monkeypatch:
-        return run_ranks(tmp_path, monkeypatch, dispatch_cases, WORLD, str(cases_path))
+        return request.param, run_ranks(tmp_path, monkeypatch, dispatch_cases, WORLD, str(cases_path))
 
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("case", DISPATCH_CASES)
 def test_dispatch_places_every_row_exactly(dispatch_results, case):
+    row_align, results = dispatch_results
     inputs = DISPATCH_CASES[case]
     E = DISPATCH_SIZES["num_experts"]
     for rank in range(WORLD):
-        got = dispatch_results[rank][case]
-        for name, want in expected_receive(inputs, rank).items():
-            assert torch.equal(got[name], want), f"rank {rank}: {name} differs from the documented receive layout"
+        got = results[rank][case]
+        want = expected_receive(inputs, rank, row_align)
+        routed = want["recv_meta"] >= 0
+        want["recv_weights"] = want["recv_weights"][routed]
+        got = dict(got, recv_weights=got["recv_weights"][routed])
+        for name, value in want.items():
+            assert torch.equal(got[name], value), f"rank {rank}: {name} differs from the documented receive layout"
         _, topk_idx, _ = inputs[rank]
         assert torch.equal(got["slot_valid"], (topk_idx >= 0) & (topk_idx < E)), f"rank {rank}: slot_valid"
 
@@ -153,8 +163,9 @@ def test_dispatch_places_every_row_exactly(dispatch_results, case):
 @pytest.mark.parametrize("case", DISPATCH_CASES)
 def test_combine_returns_every_row_to_its_slot(dispatch_results, case):
     K = DISPATCH_SIZES["top_k"]
+    _, results = dispatch_results
     for rank in range(WORLD):
-        got = dispatch_results[rank][case]
+        got = results[rank][case]
         x, topk_idx, topk_weights = DISPATCH_CASES[case][rank]
         valid = got["slot_valid"].reshape(-1)
         assert torch.equal(got["combine_rows"][valid], x.repeat_interleave(K, 0)[valid]), f"rank {rank}: rows"
@@ -164,11 +175,12 @@ def test_combine_returns_every_row_to_its_slot(dispatch_results, case):
 
 @pytest.mark.multigpu
 def test_dispatch_reports_bad_ids_of_the_sending_rank(dispatch_results):
+    _, results = dispatch_results
     for name in DISPATCH_CASES:
         if name != "bad_ids":
-            assert dispatch_results[0][name]["error"] is None and dispatch_results[1][name]["error"] is None, name
-    assert dispatch_results[0]["bad_ids"]["error"] is None
-    assert "is not an expert id" in dispatch_results[1]["bad_ids"]["error"]
+            assert results[0][name]["error"] is None and results[1][name]["error"] is None, name
+    assert results[0]["bad_ids"]["error"] is None
+    assert "is not an expert id" in results[1]["bad_ids"]["error"]
 
 
 # ---------------------------------------------------------------- two ranks: moe(buffer=...)
