@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/device_wait.cuh"
 #include "kernels/dispatch_layout.cuh"
 #include "kernels/error_record.cuh"
 #include "gemm/grouped_gemm.cuh"
@@ -53,11 +54,14 @@ std::string describe_error(const ErrorRecord& rec) {
            std::to_string(rec.limit) + ")); that slot was skipped";
   }
   if (rec.code == kWaitTimeout) {
-    static const char* what[] = {"its send counts", "its rows for local expert ", "its combine results"};
+    static const char* what[] = {"its send counts", "its rows for local expert ", "its combine results",
+                                 "the rows of local expert "};
+    const int64_t phase = rec.index1 >= 0 && rec.index1 < 4 ? rec.index1 : 0;
     const std::string awaited = rec.value >= 0 ? "rank " + std::to_string(rec.value) : "a source rank";
+    const bool names_expert = phase == kWaitArrivals || phase == kWaitGemmRows;
     return "primemoe: rank " + std::to_string(rec.limit) + " timed out waiting for " + awaited + " (" +
-           what[rec.index1 % 3] + (rec.index1 == 1 ? std::to_string(rec.index0) : std::string()) +
-           "); the results of that call are invalid";
+           what[phase] + (names_expert ? std::to_string(rec.index0) : std::string()) +
+           (phase == kWaitGemmRows ? ", before its expert GEMM" : "") + "); the results of that call are invalid";
   }
   return "primemoe: device error code " + std::to_string(rec.code);
 }
@@ -374,13 +378,11 @@ void ep_workspace_free_op(const at::Tensor& workspace) {
   nvshmem_free_symmetric(workspace.data_ptr());
 }
 
+// Read at every launch, so a process (or a test) can change it between calls.
 uint64_t wait_timeout_ns() {
-  static const uint64_t ns = [] {
-    const char* s = std::getenv("PRIMEMOE_WAIT_TIMEOUT_S");
-    const double seconds = s ? std::atof(s) : 60.0;
-    return static_cast<uint64_t>((seconds > 0 ? seconds : 60.0) * 1e9);
-  }();
-  return ns;
+  const char* s = std::getenv("PRIMEMOE_WAIT_TIMEOUT_S");
+  const double seconds = s ? std::atof(s) : 60.0;
+  return static_cast<uint64_t>((seconds > 0 ? seconds : 60.0) * 1e9);
 }
 
 EpScratch ep_scratch(uint8_t* ws, const EpLayout& l, const EpConfig& c) {
@@ -402,7 +404,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& work
                                                                  const at::Tensor& topk_weights, int64_t rank,
                                                                  int64_t world, int64_t max_tokens,
                                                                  int64_t local_experts, int64_t row_align,
-                                                                 int64_t num_sms) {
+                                                                 int64_t num_sms, bool wait_arrivals) {
   check_rows(x, "x");
   const EpConfig c = ep_config(rank, world, max_tokens, x.size(1), topk_idx.size(1), local_experts, row_align);
   const EpLayout l = ep_layout(c);
@@ -436,6 +438,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& work
   a.expert_counts = expert_counts.data_ptr<int32_t>();
   a.expert_offsets = expert_offsets.data_ptr<int32_t>();
   a.num_blocks = static_cast<int32_t>(num_sms);
+  a.wait_arrivals = wait_arrivals;
   a.timeout_ns = wait_timeout_ns();
   a.error = error_record_for(x);
   check_cuda(launch_ep_dispatch(a, c10::cuda::getCurrentCUDAStream()), "ep_dispatch");
@@ -575,9 +578,33 @@ void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tens
   PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
 }
 
+// The optional wait hook: before loading expert e's rows, the GEMM's producer waits until
+// rows_ready[e] >= epoch[0] * per_epoch (the EP workspace's arrival counters).
+void check_rows_ready(const std::optional<at::Tensor>& rows_ready, const std::optional<at::Tensor>& epoch,
+                      const at::Tensor& w1, int64_t per_epoch) {
+  if (!rows_ready.has_value()) {
+    PRIMEMOE_CHECK(!epoch.has_value(), "epoch: only meaningful together with rows_ready");
+    return;
+  }
+  PRIMEMOE_CHECK(epoch.has_value(), "epoch: required with rows_ready");
+  for (const auto& [t, name] : {std::pair{*rows_ready, "rows_ready"}, std::pair{*epoch, "epoch"}}) {
+    PRIMEMOE_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), name,
+                   ": expected a contiguous int64 vector");
+    PRIMEMOE_CHECK(t.device() == w1.device(), name, ": expected it on the operands' device");
+  }
+  PRIMEMOE_CHECK(rows_ready->numel() == w1.size(0), "rows_ready: expected one counter per expert (",
+                 w1.size(0), "), got ", rows_ready->numel());
+  PRIMEMOE_CHECK(epoch->numel() == 1, "epoch: expected one element, got ", epoch->numel());
+  PRIMEMOE_CHECK(per_epoch >= 1, "per_epoch: expected >= 1, got ", per_epoch);
+}
+
 std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const at::Tensor& w1,
-                                                   const at::Tensor& offsets, bool keep_fc1) {
+                                                   const at::Tensor& offsets, bool keep_fc1,
+                                                   const std::optional<at::Tensor>& rows_ready,
+                                                   const std::optional<at::Tensor>& epoch, int64_t per_epoch,
+                                                   int64_t rank) {
   check_fc1_args(rows, w1, offsets);
+  check_rows_ready(rows_ready, epoch, w1, per_epoch);
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t inter = w1.size(1) / 2;
   auto a = at::empty({rows.size(0), inter}, rows.options());
@@ -585,13 +612,25 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
   if (rows.size(0) == 0) return {a, h};
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, rows, w1, true, 0, inter, rows.size(1), offsets, a);
   g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
+  if (rows_ready.has_value()) {
+    g.hook.counters = reinterpret_cast<const uint64_t*>(rows_ready->data_ptr<int64_t>());
+    g.hook.epoch = epoch->data_ptr<int64_t>();
+    g.hook.per_epoch = static_cast<uint64_t>(per_epoch);
+    g.hook.rank = static_cast<int32_t>(rank);
+    g.hook.timeout_ns = wait_timeout_ns();
+  }
   run_gemm(g, rows, "fc1_swiglu");
   return {a, h};
 }
 
+// On the CPU every row is in memory already: the wait hook's arguments are checked, nothing waits.
 std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cpu(const at::Tensor& rows, const at::Tensor& w1,
-                                                  const at::Tensor& offsets, bool keep_fc1) {
+                                                  const at::Tensor& offsets, bool keep_fc1,
+                                                  const std::optional<at::Tensor>& rows_ready,
+                                                  const std::optional<at::Tensor>& epoch, int64_t per_epoch,
+                                                  int64_t) {
   check_fc1_args(rows, w1, offsets);
+  check_rows_ready(rows_ready, epoch, w1, per_epoch);
   const int64_t inter = w1.size(1) / 2;
   auto h = expert_products_cpu(rows, w1, offsets, false).to(at::kBFloat16);
   auto hf = h.to(at::kFloat);
@@ -741,7 +780,9 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
   m.def("expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn) -> Tensor");
-  m.def("fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1) -> (Tensor a, Tensor h)");
+  m.def(
+      "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
+      "Tensor? epoch=None, int per_epoch=1, int rank=0) -> (Tensor a, Tensor h)");
   m.def(
       "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets) "
       "-> (Tensor dh, Tensor aw, Tensor dot)");
@@ -759,7 +800,7 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("ep_workspace_free(Tensor workspace) -> ()", &ep_workspace_free_op);
   m.def(
       "ep_dispatch(Tensor(a!) workspace, Tensor(b!) epoch, Tensor x, Tensor topk_idx, Tensor topk_weights, int rank, "
-      "int world, int max_tokens, int local_experts, int row_align, int num_sms) "
+      "int world, int max_tokens, int local_experts, int row_align, int num_sms, bool wait_arrivals=True) "
       "-> (Tensor expert_counts, Tensor expert_offsets, Tensor slot_valid)");
   m.def(
       "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "

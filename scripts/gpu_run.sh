@@ -25,16 +25,20 @@ echo "build+install: $(( $(date +%s) - start )) s; wheel: $(ls "$OUT/wheel")"
 export PYTHONPATH=
 SO=$($PY -c "import primemoe._C as c; print(c.__file__)")
 
+status=0  # a failed test step makes the script exit 1, after the remaining steps
 for step in $STEPS; do
   echo "=== $step"
   case $step in
-    tests) $PY -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
+    tests) $PY -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
+           [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     smoke) timeout 120 $PY scripts/sanitize_case.py 2>&1 | tee "$OUT/smoke.log" | tail -5
            [ "${PIPESTATUS[0]}" = 0 ] || { echo "smoke case failed: stopping"; exit 1; } ;;
-    multigpu) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 | tee "$OUT/pytest-multigpu.log" | tail -20 ;;
+    multigpu) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 | tee "$OUT/pytest-multigpu.log" | tail -20
+              [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench2) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
              --out "$OUT/bench2" 2>&1 | tee "$OUT/bench2.log" | tail -30 ;;
-    gputests) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m "not multigpu" 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
+    gputests) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m "not multigpu" 2>&1 | tee "$OUT/pytest.log" | tail -40
+              [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench1) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 \
              --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     stages) $PY scripts/stage_times.py --out "$OUT/stages.json" 2>&1 | tee "$OUT/stages.log" ;;
@@ -55,3 +59,4 @@ for step in $STEPS; do
       grep -E "Function|REG|STACK" "$OUT/resource-usage.txt" | head -40 ;;
   esac
 done
+exit $status

@@ -167,7 +167,7 @@ def _soak_iteration(buffer, gen, device, iteration):
     topk_idx = topk_idx.masked_fill(torch.rand(tokens, K, generator=gen) < 0.1, -1).to(device)
     topk_weights = topk_weights.to(device)
 
-    _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
+    counts, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
     buffer.combine(buffer.region("recv_rows").clone(), offsets, buffer.region("recv_weights").clone())
     valid = slot_valid.view(-1)
     rows = buffer.region("combine_rows")[:tokens * K][valid]
@@ -176,7 +176,9 @@ def _soak_iteration(buffer, gen, device, iteration):
     assert torch.equal(rows, x.repeat_interleave(K, 0)[valid]), f"iteration {iteration}: echoed rows"
     assert torch.equal(scalars, topk_weights.view(-1)[valid]), f"iteration {iteration}: echoed scalars"
     # Every routed slot of every rank was received exactly once somewhere.
-    sent_received = torch.stack([valid.sum(), offsets[-1].long()])
+    padded = ((counts.long() + buffer.row_align - 1) // buffer.row_align * buffer.row_align).sum()
+    assert offsets[-1] == padded, f"iteration {iteration}: offsets {offsets.tolist()} for counts {counts.tolist()}"
+    sent_received = torch.stack([valid.sum(), counts.sum().long()])
     dist.all_reduce(sent_received)
     assert sent_received[0] == sent_received[1], f"iteration {iteration}: sent {sent_received.tolist()}"
 

@@ -61,7 +61,7 @@ class ModelBuffer:
     def region(self, name):
         return self.regions[name]
 
-    def dispatch(self, x, topk_idx, topk_weights):
+    def dispatch(self, x, topk_idx, topk_weights, *, wait=True):
         K, E, S, E_local = self.top_k, self.num_experts, self.max_slots, self.local_experts
         assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[0] <= self.max_tokens_per_rank
         everything = self.world_state.exchange(self.rank, (x, topk_idx, topk_weights))
@@ -81,7 +81,7 @@ class ModelBuffer:
                 at += n
             counts.append(at - begin)
             padded = begin + (at - begin + self.row_align - 1) // self.row_align * self.row_align
-            rows[at:padded] = torch.randn(padded - at, self.hidden, generator=self.gen).bfloat16()
+            rows[at:padded] = 0  # the dispatch zeroes padding rows
             meta[at:padded] = -1
             weights[at:padded] = torch.rand(padded - at, generator=self.gen)
             at = padded

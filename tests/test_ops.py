@@ -94,6 +94,21 @@ def test_opcheck_fc1_swiglu(engine, keep_fc1):
     torch.library.opcheck(ops.fc1_swiglu, (engine.xs, engine.w1, engine.offsets, keep_fc1))
 
 
+def test_opcheck_fc1_swiglu_with_rows_ready(engine):
+    ready, epoch = torch.full((3,), 2, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    torch.library.opcheck(ops.fc1_swiglu, (engine.xs, engine.w1, engine.offsets, True, ready, epoch, 2, 0))
+
+
+def test_fc1_rows_ready_arguments_are_checked(engine):
+    e = engine
+    with pytest.raises(RuntimeError, match="rows_ready: expected one counter per expert"):
+        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(2, dtype=torch.int64), torch.ones(1, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="epoch: only meaningful together with rows_ready"):
+        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, None, torch.ones(1, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="rows_ready: expected a contiguous int64 vector"):
+        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(3, dtype=torch.int32), torch.ones(1, dtype=torch.int64))
+
+
 def test_opcheck_fc2_dgrad_swiglu(engine):
     e = engine
     torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets))

@@ -9,7 +9,8 @@ import torch
 
 import primemoe
 
-OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine_reduce", "slot_dot", "take_error")
+OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine_reduce", "slot_dot", "take_error",
+       "fc1_swiglu", "expert_gemm", "fc2_dgrad_swiglu", "expert_wgrad", "expert_gemm_unsupported")
 SETUP_PY = Path(__file__).resolve().parents[1] / "setup.py"
 
 
@@ -23,6 +24,15 @@ def test_extension_loads():
 def test_op_is_registered(name):
     assert hasattr(torch.ops.primemoe, name)
     assert getattr(torch.ops.primemoe, name).default._schema.name == f"primemoe::{name}"
+
+
+def test_gemm_instantiation_files_are_current():
+    """csrc/gemm/instantiations/ is generated: the checked-in files match the generator."""
+    import subprocess
+    import sys
+
+    script = SETUP_PY.parent / "scripts" / "gen_gemm_instantiations.py"
+    assert subprocess.run([sys.executable, str(script), "--check"]).returncode == 0
 
 
 def test_take_error_is_empty_on_a_fresh_device_index():

@@ -281,7 +281,7 @@ cudaError_t launch_ep_dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   ep_notify_kernel<<<1, kThreads, 0, stream>>>(a);
   ep_dispatch_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
-  ep_wait_arrivals_kernel<<<1, kThreads, 0, stream>>>(a);
+  if (a.wait_arrivals) ep_wait_arrivals_kernel<<<1, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -70,7 +70,8 @@ def _describe(record) -> str:
                 f"(expected -1 or a value in [0, {limit})); that slot was skipped")
     if code == 2:
         awaited = f"rank {value}" if value >= 0 else "a source rank"
-        what = {0: "its send counts", 1: f"its rows for local expert {index0}", 2: "its combine results"}[index1 % 3]
+        what = {0: "its send counts", 1: f"its rows for local expert {index0}", 2: "its combine results",
+                3: f"the rows of local expert {index0}, before its expert GEMM"}.get(index1, "a signal")
         return (f"primemoe: rank {limit} timed out waiting for {awaited} ({what}); "
                 f"the results of that call are invalid")
     return f"primemoe: device error code {code}"

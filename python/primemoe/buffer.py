@@ -258,13 +258,20 @@ class Buffer:
         self._check_open()
         return self._regions[name]
 
-    def dispatch(self, x, topk_idx, topk_weights):
+    def dispatch(self, x, topk_idx, topk_weights, *, wait=True):
         """Sends every routed row of ``x`` to its expert's rank (collective). Returns, for this rank
         as receiver, ``expert_counts`` int32 [E_local] and ``expert_offsets`` int32 [E_local + 1] of the
-        ``recv_rows`` region, and as sender ``slot_valid`` bool [T, K]."""
+        ``recv_rows`` region, and as sender ``slot_valid`` bool [T, K]. ``wait=False``: the stream does
+        not wait for the other ranks' rows; the consumer waits per expert on ``rows_ready()``."""
         self._check_open()
         return lib.ep_dispatch(self.workspace, self.epoch, x, topk_idx, topk_weights, self.rank, self.world,
-                               self.max_tokens_per_rank, self.local_experts, self.row_align, self.num_sms)
+                               self.max_tokens_per_rank, self.local_experts, self.row_align, self.num_sms, wait)
+
+    def rows_ready(self):
+        """The GEMM wait hook for the last dispatch: ``(counters, epoch, per_epoch, rank)``; local expert
+        ``e``'s rows are all in ``recv_rows`` once ``counters[e] >= epoch * per_epoch``."""
+        self._check_open()
+        return self.region("expert_arrivals"), self.epoch, self.world, self.rank
 
     def combine(self, rows, expert_offsets, row_scalars=None) -> None:
         """Pushes each received row of ``rows`` ([max_recv_rows, H], receive layout) and of ``row_scalars``

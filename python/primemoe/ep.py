@@ -64,10 +64,12 @@ class _ExpertParallelMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w1, w2, buffer, keep_fc1, wants_grad):
         T, K = topk_idx.shape
-        _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
-        xs = buffer.region("recv_rows")
         engine = use_engine(x, w1) and buffer.row_align % ROW_ALIGN == 0
-        o, h = expert_forward(xs, w1, w2, offsets, keep_fc1, engine)
+        # With the engine, FC1's producer waits for each expert's rows itself (the arrival counters),
+        # so its tiles start as soon as their expert's rows have landed.
+        _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights, wait=not engine)
+        xs = buffer.region("recv_rows")
+        o, h = expert_forward(xs, w1, w2, offsets, keep_fc1, engine, buffer.rows_ready() if engine else None)
         buffer.combine(o, offsets)
         y = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), topk_weights)
         if wants_grad:

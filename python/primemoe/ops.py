@@ -94,7 +94,7 @@ def _expert_gemm_fake(rows, w, expert_offsets, w_kn):
 
 
 @torch.library.register_fake("primemoe::fc1_swiglu")
-def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1):
+def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, per_epoch=1, rank=0):
     inter = w1.shape[1] // 2
     return rows.new_empty(rows.shape[0], inter), rows.new_empty(rows.shape[0] if keep_fc1 else 0, 2 * inter)
 
@@ -113,7 +113,7 @@ def _expert_wgrad_fake(a_rows, b_rows, expert_offsets):
 
 @torch.library.register_fake("primemoe::ep_dispatch")
 def _ep_dispatch_fake(workspace, epoch, x, topk_idx, topk_weights, rank, world, max_tokens, local_experts,
-                      row_align, num_sms):
+                      row_align, num_sms, wait_arrivals=True):
     new = lambda *shape: x.new_empty(shape, dtype=torch.int32)  # noqa: E731
     return new(local_experts), new(local_experts + 1), topk_idx.new_empty(topk_idx.shape, dtype=torch.bool)
 
@@ -174,10 +174,12 @@ def _row_weight(topk_weights, row_to_slot):
     return torch.where(row_to_slot >= 0, w, 0.0)
 
 
-def expert_forward(xs, w1, w2, offsets, keep_fc1, engine):
-    """FC2(swiglu(FC1(xs))) per expert over the expert-major rows: (o, h or an empty [0, 2I])."""
+def expert_forward(xs, w1, w2, offsets, keep_fc1, engine, rows_ready=None):
+    """FC2(swiglu(FC1(xs))) per expert over the expert-major rows: (o, h or an empty [0, 2I]).
+    ``rows_ready`` (engine only): ``(counters, epoch, per_epoch, rank)``: FC1's producer waits for
+    ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows."""
     if engine:
-        a, h = lib.fc1_swiglu(xs, w1, offsets, keep_fc1)
+        a, h = lib.fc1_swiglu(xs, w1, offsets, keep_fc1, *(rows_ready or ()))
         return lib.expert_gemm(a, w2, offsets, False), h
     ends = offsets[1:]
     h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)

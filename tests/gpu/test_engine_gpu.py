@@ -126,3 +126,35 @@ def test_unsupported_size_raises_a_clear_error():
     idx = torch.randint(0, 2, (8, 2), device="cuda")
     y = primemoe.moe(x, idx, torch.rand(8, 2, device="cuda"), e.w1, e.w2)
     assert y.isfinite().all()
+
+
+def test_fc1_producer_waits_for_rows_ready():
+    """The wait hook the expert-parallel path drives: satisfied counters change nothing."""
+    e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=6, device="cuda")
+    plain = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
+    ready = torch.full((3,), 4, dtype=torch.int64, device="cuda")
+    epoch = torch.full((1,), 2, dtype=torch.int64, device="cuda")
+    hooked = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, ready, epoch, 2, 0)
+    assert torch.equal(hooked[0], plain[0]) and torch.equal(hooked[1], plain[1])
+    primemoe.check_errors()
+
+
+def test_fc1_rows_ready_timeout_names_rank_and_expert(monkeypatch):
+    monkeypatch.setenv("PRIMEMOE_WAIT_TIMEOUT_S", "0.2")
+    e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=7, device="cuda")
+    # Expert 1 has no rows (nothing to wait for); expert 2's counter never reaches epoch * per_epoch = 2.
+    ready = torch.tensor([2, 0, 1], dtype=torch.int64, device="cuda")
+    epoch = torch.ones(1, dtype=torch.int64, device="cuda")
+    ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, ready, epoch, 2, 5)
+    with pytest.raises(primemoe.DeviceError, match=r"rank 5 timed out .*rows of local expert 2, before its expert GEMM"):
+        primemoe.check_errors()
+    primemoe.check_errors()  # reported once, then cleared
+
+
+def test_rows_ready_arguments_are_checked():
+    e = engine_operands([3, 5], hidden=256, inter=256, seed=8, device="cuda")
+    epoch = torch.ones(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="rows_ready: expected one counter per expert"):
+        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(3, dtype=torch.int64, device="cuda"), epoch, 1, 0)
+    with pytest.raises(RuntimeError, match="epoch: required with rows_ready"):
+        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(2, dtype=torch.int64, device="cuda"), None, 1, 0)
