@@ -672,7 +672,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cuda(const at::T
   g.in_h = h.data_ptr();
   g.row_weight = row_weight.data_ptr<float>();
   g.out_dh = dh.data_ptr();
-  g.out_aw = aw.data_ptr();
   g.out_dot = dot.data_ptr<float>();
   run_gemm(g, dy_rows, "fc2_dgrad_swiglu");
   return {dh, aw, dot};

@@ -56,15 +56,14 @@ struct GroupedGemmArgs {
   int32_t k;         // kRows only: reduction length
   int32_t num_experts;
   const int32_t* expert_offsets;  // [E + 1], multiples of kGemmRowAlign
-  void* out;                      // kRows: [num_rows, n]; kExperts: [E, m, n]; bf16
+  void* out;                      // kRows: [num_rows, n]; kExperts: [E, m, n]; bf16 (kSwiGLUBackward: aw)
   // kSwiGLU: out_h = [num_rows, 2n] pre-activations or null.
   // kSwiGLUBackward: in_h = [num_rows, 2n] pre-activations, row_weight [num_rows] fp32 (0 on padding),
-  //   out_dh [num_rows, 2n], out_aw [num_rows, n], out_dot [num_rows, n / kGemmTileN] fp32.
+  //   out = aw [num_rows, n], out_dh [num_rows, 2n], out_dot [num_rows, n / kGemmTileN] fp32.
   void* out_h;
   const void* in_h;
   const float* row_weight;
   void* out_dh;
-  void* out_aw;
   float* out_dot;
   RowsReadyHook hook;
   ErrorRecord* error;
