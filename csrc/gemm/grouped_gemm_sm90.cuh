@@ -5,7 +5,8 @@
 // Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128 x 256 tile as two
 // 64 x 128 fp32 accumulators (the two halves of the tile's columns: for FC1 the gate
 // and the up projection of the same activation columns, so SwiGLU needs no shuffle),
-// runs wgmma straight from shared memory, and writes its epilogue from registers.
+// runs wgmma straight from shared memory, and hands its epilogue to TMA stores through
+// swizzled shared-memory boxes (they drain while the next tile's mainloop runs).
 // Producer and consumers walk the same tile sequence, so the ring's stage/phase
 // counters stay in step without any other communication.
 #pragma once
