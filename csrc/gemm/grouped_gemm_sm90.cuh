@@ -315,7 +315,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const int frag_col = 2 * (wtid % 4);
     uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
     const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
-    if constexpr (E == GemmEpilogue::kStore) {
+    // Both accumulators as bf16 into boxes 0-1 (acc0) and 2-3 (acc1).
+    auto stage_accumulators = [&]() {
       staging_acquire(wg, wtid);
       CUTE_UNROLL
       for (int i = 0; i < size(acc0); i += 2) {
@@ -325,6 +326,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         put_pair(slots, 2 + c / 64, r, c % 64, pack(acc1(i), acc1(i + 1)));
       }
       staging_release(wg);
+    };
+    if constexpr (E == GemmEpilogue::kStore) {
+      stage_accumulators();
       if (wtid == 0) {
         for (int b = 0; b < 4; ++b) tma_store(&p.tma_out, slots + b * kBoxBytes, tile.n_tile * kGemmTileN + 64 * b, row0);
         store_commit();
@@ -332,15 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     } else if constexpr (E == GemmEpilogue::kSwiGLU) {
       // The pre-activations are rounded to bf16 first, as kept for the backward.
       if (args.out_h != nullptr) {
-        staging_acquire(wg, wtid);
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc0); i += 2) {
-          const int r = frag_row + 8 * ((i >> 1) & 1);
-          const int c = frag_col + 8 * (i >> 2);
-          put_pair(slots, c / 64, r, c % 64, pack(acc0(i), acc0(i + 1)));
-          put_pair(slots, 2 + c / 64, r, c % 64, pack(acc1(i), acc1(i + 1)));
-        }
-        staging_release(wg);
+        stage_accumulators();
         if (wtid == 0) {
           for (int b = 0; b < 4; ++b) {
             const int32_t col = (b < 2 ? 0 : int32_t(n)) + tile.n_tile * 128 + 64 * (b % 2);

@@ -52,6 +52,18 @@ __device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int vecs,
   }
 }
 
+// Ends a warp's run of `rows` rows sent to `pe`: makes them visible there, counts them in
+// *done, and the run that brings *done to *expected applies `op` with `value` to `signal` on `pe`.
+__device__ __forceinline__ void publish_run(int32_t rows, int32_t* done, const int32_t* expected, uint64_t* signal,
+                                            uint64_t value, int op, int pe, int lane) {
+  __syncwarp();
+  __threadfence_system();
+  if (lane == 0 && atomicAdd(done, rows) + rows == *expected) {
+    __threadfence_system();
+    nvshmemx_signal_op(signal, value, op, pe);
+  }
+}
+
 // Each warp takes one contiguous range of rows, so it makes its rows visible and counts
 // them once per run of rows with the same (destination, expert) or source, not once per row.
 __device__ __forceinline__ void warp_row_range(int32_t total, int32_t* begin, int32_t* end) {
@@ -160,12 +172,8 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
   // run that completes a (destination, expert) pair signals its arrival counter.
   auto finish_run = [&]() {
     if (run_rows == 0) return;
-    __syncwarp();
-    __threadfence_system();
-    if (lane == 0 && atomicAdd(&a.scratch.send_done[run_g], run_rows) + run_rows == a.send_counts[run_g]) {
-      __threadfence_system();
-      nvshmemx_signal_op(arrivals + run_g % E, 1, NVSHMEM_SIGNAL_ADD, static_cast<int>(run_g / E));
-    }
+    publish_run(run_rows, &a.scratch.send_done[run_g], &a.send_counts[run_g], arrivals + run_g % E, 1,
+                NVSHMEM_SIGNAL_ADD, static_cast<int>(run_g / E), lane);
     run_rows = 0;
   };
   for (int32_t batch = begin; batch < end; batch += 32) {
@@ -234,12 +242,8 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
   int32_t run_rows = 0;
   auto finish_run = [&]() {
     if (run_rows == 0) return;
-    __syncwarp();
-    __threadfence_system();
-    if (lane == 0 && atomicAdd(&a.scratch.combine_done[run_src], run_rows) + run_rows == a.scratch.recv_from[run_src]) {
-      __threadfence_system();
-      nvshmemx_signal_op(combine_flags + me, epoch, NVSHMEM_SIGNAL_SET, run_src);
-    }
+    publish_run(run_rows, &a.scratch.combine_done[run_src], &a.scratch.recv_from[run_src], combine_flags + me, epoch,
+                NVSHMEM_SIGNAL_SET, run_src, lane);
     run_rows = 0;
   };
   for (int32_t batch = begin; batch < end; batch += 32) {
