@@ -486,6 +486,18 @@ std::vector<int64_t> take_error_op(int64_t device) {
   return {rec.code, rec.value, rec.limit, rec.index0, rec.index1};
 }
 
+// The message of a record from take_error, so Python raises the same text as raise_pending_error.
+std::string describe_error_op(const std::vector<int64_t>& record) {
+  PRIMEMOE_CHECK(record.size() == 5, "record: expected the 5 fields take_error returns, got ", record.size());
+  ErrorRecord rec{};
+  rec.code = static_cast<int32_t>(record[0]);
+  rec.value = static_cast<int32_t>(record[1]);
+  rec.limit = static_cast<int32_t>(record[2]);
+  rec.index0 = record[3];
+  rec.index1 = record[4];
+  return describe_error(rec);
+}
+
 // ---------------------------------------------------------------- expert GEMMs (grouped over the routing layout)
 
 void check_offsets(const at::Tensor& offsets, const at::Tensor& like, int64_t num_experts) {
@@ -736,31 +748,8 @@ at::Tensor expert_wgrad_cpu(const at::Tensor& a_rows, const at::Tensor& b_rows, 
 
 // Empty when the expert GEMM kernels cover an MoE of this size on `device`, else why not.
 std::string expert_gemm_unsupported_op(int64_t device, int64_t hidden, int64_t intermediate) {
-  GroupedGemmArgs g{};
-  alignas(16) static const char probe[16] = {};
-  g.a = g.b = g.out = const_cast<char*>(probe);
-  g.num_experts = 1;
   const char* why = "";
-  const std::pair<GemmEpilogue, std::pair<int64_t, int64_t>> row_problems[] = {
-      {GemmEpilogue::kSwiGLU, {intermediate, hidden}},
-      {GemmEpilogue::kStore, {hidden, intermediate}},
-      {GemmEpilogue::kSwiGLUBackward, {intermediate, hidden}},
-      {GemmEpilogue::kStore, {hidden, 2 * intermediate}}};
-  for (const auto& [epilogue, nk] : row_problems) {
-    g.schedule = GemmSchedule::kRows;
-    g.epilogue = epilogue;
-    g.n = static_cast<int32_t>(nk.first);
-    g.k = static_cast<int32_t>(nk.second);
-    if (!grouped_gemm_supported(g, static_cast<int>(device), &why)) return why;
-  }
-  g.schedule = GemmSchedule::kExperts;
-  g.epilogue = GemmEpilogue::kStore;
-  for (const auto& [m, n] : {std::pair<int64_t, int64_t>{2 * intermediate, hidden}, {hidden, intermediate}}) {
-    g.m = static_cast<int32_t>(m);
-    g.n = static_cast<int32_t>(n);
-    if (!grouped_gemm_supported(g, static_cast<int>(device), &why)) return why;
-  }
-  return "";
+  return moe_gemms_supported(static_cast<int>(device), hidden, intermediate, &why) ? "" : why;
 }
 
 }  // namespace
@@ -788,6 +777,7 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets) -> Tensor");
   m.def("expert_gemm_unsupported(int device, int hidden, int intermediate) -> str", &expert_gemm_unsupported_op);
   m.def("take_error(int device) -> int[]", &take_error_op);
+  m.def("describe_error(int[] record) -> str", &describe_error_op);
   m.def("nvshmem_unique_id() -> Tensor", &nvshmem_unique_id_op);
   m.def("nvshmem_init(Tensor unique_id, int rank, int world) -> ()", &nvshmem_init_op);
   m.def("nvshmem_finalize() -> ()", &nvshmem_finalize_op);

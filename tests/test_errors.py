@@ -113,3 +113,29 @@ def test_out_of_range_id_raises_on_cpu_without_debug(monkeypatch):
     args["topk_idx"][0, 0] = 999
     with pytest.raises(ValueError, match="999"):
         primemoe.moe(**args)
+
+
+# take_error records -> the message check_errors raises (the same text the next primemoe call raises).
+DEVICE_ERRORS = {
+    (1, 999, 8, 6, 1): "primemoe: topk_idx[6, 1] = 999 is not an expert id (expected -1 or a value in [0, 8)); "
+                         "that slot was skipped",
+    (2, 1, 0, -1, 0): "primemoe: rank 0 timed out waiting for rank 1 (its send counts); "
+                      "the results of that call are invalid",
+    (2, -1, 1, 3, 1): "primemoe: rank 1 timed out waiting for a source rank (its rows for local expert 3); "
+                      "the results of that call are invalid",
+    (2, 0, 1, -1, 2): "primemoe: rank 1 timed out waiting for rank 0 (its combine results); "
+                      "the results of that call are invalid",
+    (2, -1, 5, 2, 3): "primemoe: rank 5 timed out waiting for a source rank (the rows of local expert 2, before "
+                      "its expert GEMM); the results of that call are invalid",
+    (7, 0, 0, 0, 0): "primemoe: device error code 7",
+}
+
+
+@pytest.mark.parametrize("record", DEVICE_ERRORS)
+def test_device_error_messages(record):
+    assert torch.ops.primemoe.describe_error(list(record)) == DEVICE_ERRORS[record]
+
+
+def test_describe_error_rejects_a_short_record():
+    with pytest.raises(RuntimeError, match="record: expected the 5 fields"):
+        torch.ops.primemoe.describe_error([1, 2])

@@ -118,6 +118,12 @@ def test_opcheck_expert_wgrad(engine):
     torch.library.opcheck(ops.expert_wgrad, (engine.dy_rows, engine.a, engine.offsets))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")
+def test_engine_says_why_it_does_not_run_without_a_gpu(engine):
+    assert "sm_90" in ops.expert_gemm_unsupported(0, 2048, 768)
+    assert not primemoe.ops.use_engine(engine.xs, engine.w1)
+
+
 def test_engine_ops_cpu_semantics(engine):
     """The CPU kernels are the engine's specification: per expert, plain fp32 products of its rows."""
     e = engine

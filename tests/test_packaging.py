@@ -10,7 +10,7 @@ import torch
 import primemoe
 
 OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine_reduce", "slot_dot", "take_error",
-       "fc1_swiglu", "expert_gemm", "fc2_dgrad_swiglu", "expert_wgrad", "expert_gemm_unsupported")
+       "describe_error", "fc1_swiglu", "expert_gemm", "fc2_dgrad_swiglu", "expert_wgrad", "expert_gemm_unsupported")
 SETUP_PY = Path(__file__).resolve().parents[1] / "setup.py"
 
 

@@ -46,9 +46,9 @@ cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-}  // namespace
-
-bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
+// The device and the sizes, without the operands' addresses.
+bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, int64_t n, int64_t k, int device,
+                     const char** why) {
   auto no = [&](const char* reason) {
     if (why != nullptr) *why = reason;
     return false;
@@ -62,19 +62,40 @@ bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** w
 #endif
   if (major != 9 || minor != 0) return no("the grouped GEMM kernels need an sm_90 GPU");
   if (encode_tiled() == nullptr) return no("the driver lacks cuTensorMapEncodeTiled");
-  const int32_t n_step = a.epilogue == GemmEpilogue::kSwiGLU ? 128 : kGemmTileN;
-  if (a.n <= 0 || a.n % n_step != 0) return no("the output width is not a multiple of the tile width");
-  if (a.schedule == GemmSchedule::kRows && (a.k <= 0 || a.k % kGemmTileK != 0)) {
+  const int64_t n_step = epilogue == GemmEpilogue::kSwiGLU ? 128 : kGemmTileN;
+  if (n <= 0 || n % n_step != 0) return no("the output width is not a multiple of the tile width");
+  if (schedule == GemmSchedule::kRows && (k <= 0 || k % kGemmTileK != 0)) {
     return no("the reduction length is not a multiple of 64");
   }
-  if (a.schedule == GemmSchedule::kExperts && (a.m <= 0 || a.m % 128 != 0)) {
+  if (schedule == GemmSchedule::kExperts && (m <= 0 || m % 128 != 0)) {
     return no("the per-expert output height is not a multiple of 128");
   }
+  return true;
+}
+
+}  // namespace
+
+bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
+  if (!shape_supported(a.schedule, a.epilogue, a.m, a.n, a.k, device, why)) return false;
   if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out) || !aligned16(a.out_h) || !aligned16(a.in_h) ||
       !aligned16(a.out_dh)) {
-    return no("operands are not 16-byte aligned");
+    if (why != nullptr) *why = "operands are not 16-byte aligned";
+    return false;
   }
   return true;
+}
+
+bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const char** why) {
+  using S = GemmSchedule;
+  using E = GemmEpilogue;
+  const int64_t h = hidden;
+  const int64_t i = intermediate;
+  return shape_supported(S::kRows, E::kSwiGLU, 0, i, h, device, why) &&             // FC1
+         shape_supported(S::kRows, E::kStore, 0, h, i, device, why) &&              // FC2
+         shape_supported(S::kRows, E::kSwiGLUBackward, 0, i, h, device, why) &&     // FC2 dgrad
+         shape_supported(S::kRows, E::kStore, 0, h, 2 * i, device, why) &&          // FC1 dgrad
+         shape_supported(S::kExperts, E::kStore, 2 * i, h, 0, device, why) &&       // w1 wgrad
+         shape_supported(S::kExperts, E::kStore, h, i, 0, device, why);             // w2 wgrad
 }
 
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {

@@ -73,6 +73,9 @@ struct GroupedGemmArgs {
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).
 bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char** why);
 
+// Whether the kernels cover every GEMM of an MoE layer with these sizes on this device (else *why).
+bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const char** why);
+
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 }  // namespace primemoe

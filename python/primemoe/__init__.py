@@ -60,21 +60,7 @@ def check_errors(device=None) -> None:
     torch.cuda.synchronize(index)
     record = torch.ops.primemoe.take_error(index.index if index.index is not None else torch.cuda.current_device())
     if record:
-        raise DeviceError(_describe(record))
-
-
-def _describe(record) -> str:
-    code, value, limit, index0, index1 = record
-    if code == 1:
-        return (f"primemoe: topk_idx[{index0}, {index1}] = {value} is not an expert id "
-                f"(expected -1 or a value in [0, {limit})); that slot was skipped")
-    if code == 2:
-        awaited = f"rank {value}" if value >= 0 else "a source rank"
-        what = {0: "its send counts", 1: f"its rows for local expert {index0}", 2: "its combine results",
-                3: f"the rows of local expert {index0}, before its expert GEMM"}.get(index1, "a signal")
-        return (f"primemoe: rank {limit} timed out waiting for {awaited} ({what}); "
-                f"the results of that call are invalid")
-    return f"primemoe: device error code {code}"
+        raise DeviceError(torch.ops.primemoe.describe_error(record))
 
 
 from . import nn  # noqa: E402,F401  (nn.MoE calls moe)
