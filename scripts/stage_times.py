@@ -40,7 +40,7 @@ def stages(shape, tokens):
     a, h = lib.fc1_swiglu(xs, w1, off, True)
     o = lib.expert_gemm(a, w2, off, False)
     dy_rows = lib.gather_rows(dy, r2s, K, None)
-    rw = ops._row_weight(w, r2s)
+    rw = ops.row_weights(w, r2s)
     dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, rw, off)
     rows = int(off[-1])
     flops = 2 * rows * H * I  # one H x I GEMM over the padded rows

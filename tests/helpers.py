@@ -234,3 +234,15 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     """Runs ``code`` in a fresh interpreter that imports the same primemoe as this one."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PRIMEMOE_ROOT, os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def poison_caching_allocator(big_bytes=8 << 30, small_bytes=64 << 10, small_count=2048):
+    """Fill cached blocks of both allocator pools with NaN and free them (kept in the cache),
+    so any output element a kernel forgets to write reads back as NaN."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    nan = float("nan")
+    blocks = [torch.full((big_bytes // 2,), nan, dtype=torch.bfloat16, device="cuda")]
+    blocks += [torch.full((small_bytes // 2,), nan, dtype=torch.bfloat16, device="cuda") for _ in range(small_count)]
+    torch.cuda.synchronize()
+    del blocks

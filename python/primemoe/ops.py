@@ -168,7 +168,7 @@ def use_engine(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return _engine_unsupported(x.device.index, x.shape[1], w1.shape[1] // 2) == ""
 
 
-def _row_weight(topk_weights, row_to_slot):
+def row_weights(topk_weights, row_to_slot):
     """fp32 routing weight of each expert-major row, 0 on padding rows."""
     w = topk_weights.reshape(-1).float()[row_to_slot.clamp(min=0).long()]
     return torch.where(row_to_slot >= 0, w, 0.0)
@@ -234,10 +234,11 @@ def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine
     if T * K == 0:
         return (torch.zeros_like(x), torch.zeros(T, K, dtype=torch.float32, device=x.device),
                 torch.zeros_like(w1), torch.zeros_like(w2))
+    # The layout and the gathered rows are rebuilt, not kept from the forward: xs is K times x.
     xs = lib.gather_rows(x, row_to_slot, K, None)
     h = fc1_out if fc1_out is not None and fc1_out.numel() else None
     dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None)
-    row_weight = _row_weight(topk_weights, row_to_slot)
+    row_weight = row_weights(topk_weights, row_to_slot)
     dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine)
     d_topk_weights = torch.where(slot_to_row >= 0, dtw_rows[slot_to_row.clamp(min=0).long()], 0.0)
     dx = lib.combine_reduce(dxs, slot_to_row, None)

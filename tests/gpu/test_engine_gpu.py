@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine_cases import engine_operands
-from helpers import REFERENCE_SHAPES
+from helpers import REFERENCE_SHAPES, poison_caching_allocator
 
 import primemoe
 from primemoe import ops as shim
@@ -20,15 +20,6 @@ COUNTS = {
     "all_empty": [0, 0, 0, 0],
 }
 SHAPES = {name: REFERENCE_SHAPES[name][:2] for name in ("qwen3-30b-a3b", "qwen3-235b-a22b")} | {"small": (256, 256)}
-
-
-def poison():
-    """NaN-filled blocks freed into the caching allocator: an unwritten output reads back as NaN."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    blocks = [torch.full((1 << 28,), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
-    torch.cuda.synchronize()
-    del blocks
 
 
 def assert_rows_close(name, got, want, tol=4e-3):
@@ -51,7 +42,7 @@ def both(counts, shape, seed):
 @pytest.mark.parametrize("counts", COUNTS)
 def test_forward_ops_match_cpu(counts, shape):
     gpu, cpu = both(counts, shape, seed=1)
-    poison()
+    poison_caching_allocator()
     a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
     a_ref, h_ref = ops.fc1_swiglu(cpu.xs, cpu.w1, cpu.offsets, True)
     assert_rows_close("fc1 h", h, h_ref)
@@ -71,7 +62,7 @@ def test_backward_ops_match_cpu(counts, shape):
     h_dirty, w_dirty = gpu.h.clone(), gpu.row_weight.clone()
     h_dirty[routed:] = float("nan")
     w_dirty[routed:] = float("nan")
-    poison()
+    poison_caching_allocator()
     dh, aw, dot = ops.fc2_dgrad_swiglu(gpu.dy_rows, gpu.w2, h_dirty, w_dirty, gpu.offsets)
     dh_ref, aw_ref, dot_ref = ops.fc2_dgrad_swiglu(cpu.dy_rows, cpu.w2, cpu.h, cpu.row_weight, cpu.offsets)
     assert_rows_close("dh", dh, dh_ref)

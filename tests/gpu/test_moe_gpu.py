@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from helpers import (OUTPUT_NAMES, REFERENCE_SHAPES, ROUTINGS, ExpertLayer, assert_close_to_reference,
                      assert_contract_zeros, assert_error_within, assert_moe_outputs_match, assert_outputs_equal,
-                     graph_replays, make_problem, reference64, run_module, run_moe)
+                     graph_replays, make_problem, poison_caching_allocator, reference64, run_module, run_moe)
 from naive import composite
 
 import primemoe
@@ -131,18 +131,6 @@ def test_bitwise_repeatable(case):
     first = run_moe(primemoe.moe, problem)
     for _ in range(2):
         assert_outputs_equal(run_moe(primemoe.moe, problem), first, "a repeated run")
-
-
-def poison_caching_allocator(big_bytes=8 << 30, small_bytes=64 << 10, small_count=2048):
-    """Fill cached blocks of both allocator pools with NaN and free them (kept in the cache),
-    so any output element a kernel forgets to write reads back as NaN."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    nan = float("nan")
-    blocks = [torch.full((big_bytes // 2,), nan, dtype=torch.bfloat16, device="cuda")]
-    blocks += [torch.full((small_bytes // 2,), nan, dtype=torch.bfloat16, device="cuda") for _ in range(small_count)]
-    torch.cuda.synchronize()
-    del blocks
 
 
 @pytest.mark.parametrize("routing", ["masked", "skewed", "empty_experts"])
