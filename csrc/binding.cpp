@@ -556,14 +556,25 @@ void check_expert_gemm_args(const at::Tensor& rows, const at::Tensor& w, const a
   PRIMEMOE_CHECK(rows.size(1) == k, "rows: expected ", k, " columns (w's reduction size), got ", rows.size(1));
 }
 
-at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+void check_row_weight(const std::optional<at::Tensor>& row_weight, const at::Tensor& rows) {
+  if (!row_weight.has_value()) return;
+  PRIMEMOE_CHECK(row_weight->dim() == 1 && row_weight->numel() == rows.size(0) &&
+                     row_weight->scalar_type() == at::kFloat && row_weight->is_contiguous(),
+                 "row_weight: expected a contiguous float32 vector of ", rows.size(0), " entries");
+  check_same_device(*row_weight, rows, "row_weight");
+}
+
+at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
+                            const std::optional<at::Tensor>& row_weight) {
   check_expert_gemm_args(rows, w, offsets, w_kn);
+  check_row_weight(row_weight, rows);
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t n = w_kn ? w.size(2) : w.size(1);
   auto out = at::empty({rows.size(0), n}, rows.options());
   if (rows.size(0) == 0) return out;
-  run_gemm(gemm_args(GemmSchedule::kRows, GemmEpilogue::kStore, rows, w, !w_kn, 0, n, rows.size(1), offsets, out),
-           rows, "expert_gemm");
+  auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kStore, rows, w, !w_kn, 0, n, rows.size(1), offsets, out);
+  g.row_weight = row_weight.has_value() ? row_weight->data_ptr<float>() : nullptr;
+  run_gemm(g, rows, "expert_gemm");
   return out;
 }
 
@@ -580,9 +591,13 @@ at::Tensor expert_products_cpu(const at::Tensor& rows, const at::Tensor& w, cons
   return out;
 }
 
-at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
+                           const std::optional<at::Tensor>& row_weight) {
   check_expert_gemm_args(rows, w, offsets, w_kn);
-  return expert_products_cpu(rows, w, offsets, w_kn).to(at::kBFloat16);
+  check_row_weight(row_weight, rows);
+  auto out = expert_products_cpu(rows, w, offsets, w_kn);
+  if (row_weight.has_value()) out *= row_weight->unsqueeze(1);
+  return out.to(at::kBFloat16);
 }
 
 void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets) {
@@ -648,6 +663,51 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cpu(const at::Tensor& rows, const 
   auto hf = h.to(at::kFloat);
   auto a = (at::silu(hf.slice(1, 0, inter)) * hf.slice(1, inter)).to(at::kBFloat16);
   return {a, keep_fc1 ? h : h.slice(0, 0, 0).contiguous()};
+}
+
+// FC1 over the tokens themselves: row r of the expert-major layout is x[row_to_slot[r] / top_k]
+// (zeros where row_to_slot[r] < 0), gathered by the GEMM's loads instead of a separate pass.
+void check_fc1_gather_args(const at::Tensor& x, const at::Tensor& row_to_slot, int64_t top_k, const at::Tensor& w1,
+                           const at::Tensor& offsets) {
+  check_rows(x, "x");
+  check_index(row_to_slot, "row_to_slot", 1);
+  check_same_device(row_to_slot, x, "row_to_slot");
+  PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
+  check_weights3(w1, "w1");
+  check_same_device(w1, x, "w1");
+  check_offsets(offsets, x, w1.size(0));
+  PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
+  PRIMEMOE_CHECK(x.size(1) == w1.size(2), "x: expected ", w1.size(2), " columns (w1's reduction size), got ",
+                 x.size(1));
+}
+
+std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cuda(const at::Tensor& x, const at::Tensor& row_to_slot,
+                                                          int64_t top_k, const at::Tensor& w1,
+                                                          const at::Tensor& offsets, bool keep_fc1) {
+  check_fc1_gather_args(x, row_to_slot, top_k, w1, offsets);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = row_to_slot.numel();
+  const int64_t inter = w1.size(1) / 2;
+  auto a = at::empty({rows, inter}, x.options());
+  auto h = at::empty({keep_fc1 ? rows : 0, 2 * inter}, x.options());
+  if (rows == 0) return {a, h};
+  if (x.size(0) == 0) return {a.zero_(), h.zero_()};
+  auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, x, w1, true, 0, inter, x.size(1), offsets, a);
+  g.num_rows = rows;
+  g.a_row_src = row_to_slot.data_ptr<int32_t>();
+  g.a_src_div = static_cast<int32_t>(top_k);
+  g.a_src_rows = x.size(0);
+  g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
+  run_gemm(g, x, "fc1_swiglu_gather");
+  return {a, h};
+}
+
+std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cpu(const at::Tensor& x, const at::Tensor& row_to_slot,
+                                                         int64_t top_k, const at::Tensor& w1,
+                                                         const at::Tensor& offsets, bool keep_fc1) {
+  check_fc1_gather_args(x, row_to_slot, top_k, w1, offsets);
+  return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt), w1, offsets, keep_fc1, std::nullopt,
+                        std::nullopt, 1, 0);
 }
 
 void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const at::Tensor& h,
@@ -767,10 +827,13 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale) -> Tensor");
   m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
-  m.def("expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn) -> Tensor");
+  m.def("expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn, Tensor? row_weight=None) -> Tensor");
   m.def(
       "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
       "Tensor? epoch=None, int per_epoch=1, int rank=0) -> (Tensor a, Tensor h)");
+  m.def(
+      "fc1_swiglu_gather(Tensor x, Tensor row_to_slot, int top_k, Tensor w1, Tensor expert_offsets, bool keep_fc1) "
+      "-> (Tensor a, Tensor h)");
   m.def(
       "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets) "
       "-> (Tensor dh, Tensor aw, Tensor dot)");
@@ -803,6 +866,7 @@ TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
   m.impl("slot_dot", &slot_dot_cuda);
   m.impl("expert_gemm", &expert_gemm_cuda);
   m.impl("fc1_swiglu", &fc1_swiglu_cuda);
+  m.impl("fc1_swiglu_gather", &fc1_swiglu_gather_cuda);
   m.impl("fc2_dgrad_swiglu", &fc2_dgrad_swiglu_cuda);
   m.impl("expert_wgrad", &expert_wgrad_cuda);
   m.impl("ep_dispatch", &ep_dispatch_cuda);
@@ -816,6 +880,7 @@ TORCH_LIBRARY_IMPL(primemoe, CPU, m) {
   m.impl("slot_dot", &slot_dot_cpu);
   m.impl("expert_gemm", &expert_gemm_cpu);
   m.impl("fc1_swiglu", &fc1_swiglu_cpu);
+  m.impl("fc1_swiglu_gather", &fc1_swiglu_gather_cpu);
   m.impl("fc2_dgrad_swiglu", &fc2_dgrad_swiglu_cpu);
   m.impl("expert_wgrad", &expert_wgrad_cpu);
 }

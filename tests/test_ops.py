@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils.flop_counter import FlopCounterMode
 
-from engine_cases import engine_operands
+from engine_cases import engine_operands, gather_operands
 from helpers import ExpertLayer, OUTPUT_NAMES, make_problem, run_module, run_moe, run_python
 
 import primemoe
@@ -92,6 +92,37 @@ def test_opcheck_expert_gemm(engine, w_kn):
 @pytest.mark.parametrize("keep_fc1", [True, False])
 def test_opcheck_fc1_swiglu(engine, keep_fc1):
     torch.library.opcheck(ops.fc1_swiglu, (engine.xs, engine.w1, engine.offsets, keep_fc1))
+
+
+@pytest.mark.parametrize("keep_fc1", [True, False])
+def test_opcheck_fc1_swiglu_gather(keep_fc1):
+    g = gather_operands(50, 3, 3, 64, 256, "masked", seed=9)
+    torch.library.opcheck(ops.fc1_swiglu_gather, (g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, keep_fc1))
+
+
+def test_fc1_swiglu_gather_is_fc1_of_the_gathered_rows():
+    g = gather_operands(50, 3, 3, 64, 256, "skewed", seed=10)
+    xs = ops.gather_rows(g.x, g.row_to_slot, g.top_k, None)
+    for got, want in zip(ops.fc1_swiglu_gather(g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, True),
+                         ops.fc1_swiglu(xs, g.w1, g.offsets, True)):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="x: expected 64 columns"):
+        ops.fc1_swiglu_gather(g.x[:, :32].contiguous(), g.row_to_slot, g.top_k, g.w1, g.offsets, True)
+    with pytest.raises(RuntimeError, match="top_k: expected >= 1"):
+        ops.fc1_swiglu_gather(g.x, g.row_to_slot, 0, g.w1, g.offsets, True)
+
+
+def test_opcheck_expert_gemm_with_row_weight(engine):
+    torch.library.opcheck(ops.expert_gemm, (engine.a, engine.w2, engine.offsets, False, engine.row_weight))
+
+
+def test_expert_gemm_row_weight_scales_each_row(engine):
+    e = engine
+    plain = ops.expert_gemm(e.a, e.w2, e.offsets, False).double()
+    scaled = ops.expert_gemm(e.a, e.w2, e.offsets, False, e.row_weight).double()
+    torch.testing.assert_close(scaled, plain * e.row_weight.double().unsqueeze(1), rtol=1e-2, atol=1e-2)
+    with pytest.raises(RuntimeError, match="row_weight: expected a contiguous float32 vector"):
+        ops.expert_gemm(e.a, e.w2, e.offsets, False, e.row_weight[:-1])
 
 
 def test_opcheck_fc1_swiglu_with_rows_ready(engine):

@@ -28,15 +28,16 @@ EncodeTiled encode_tiled() {
 }
 
 // A 3-D bf16 tensor (inner, outer, layer), inner contiguous, moved in 128-byte swizzled boxes of
-// 64 inner elements: K-major operands take 128 outer rows per box, MN-major ones and the
-// epilogue's stores 64.
+// 64 inner elements by box_rows outer rows: 128 for K-major operands, 64 for MN-major ones and the
+// epilogue's stores, 1 for gathered rows (TMA swizzles by shared-memory address, so row-by-row
+// loads land in the same layout as one 128-row box).
 cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, uint64_t layers,
-                     bool k_major) {
+                     uint32_t box_rows) {
   EncodeTiled encode = encode_tiled();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {inner, outer, layers};
   const cuuint64_t strides[2] = {inner * 2, inner * outer * 2};
-  const cuuint32_t box[3] = {64, k_major ? 128u : 64u, 1};
+  const cuuint32_t box[3] = {64, box_rows, 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
                       elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -77,6 +78,11 @@ bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, in
 
 bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
   if (!shape_supported(a.schedule, a.epilogue, a.m, a.n, a.k, device, why)) return false;
+  if (a.a_row_src != nullptr && (a.schedule != GemmSchedule::kRows || a.a_src_div < 1 || a.a_src_rows < 1 ||
+                                 a.a_src_rows >= (int64_t(1) << 31))) {
+    if (why != nullptr) *why = "a gathered A operand needs the rows schedule and 1 <= its rows < 2^31";
+    return false;
+  }
   if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out) || !aligned16(a.out_h) || !aligned16(a.in_h) ||
       !aligned16(a.out_dh)) {
     if (why != nullptr) *why = "operands are not 16-byte aligned";
@@ -107,22 +113,23 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   cudaError_t err;
   if (a.schedule == GemmSchedule::kRows) {
     const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
-    err = make_map(&params.tma_a, a.a, a.k, rows, 1, true);
+    err = a.a_row_src != nullptr ? make_map(&params.tma_a, a.a, a.k, uint64_t(a.a_src_rows), 1, 1)
+                                 : make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
     if (err == cudaSuccess) {
-      err = a.b_k_major ? make_map(&params.tma_b, a.b, a.k, b_rows, experts, true)
-                        : make_map(&params.tma_b, a.b, b_rows, a.k, experts, false);
+      err = a.b_k_major ? make_map(&params.tma_b, a.b, a.k, b_rows, experts, 128)
+                        : make_map(&params.tma_b, a.b, b_rows, a.k, experts, 64);
     }
   } else {
-    err = make_map(&params.tma_a, a.a, a.m, rows, 1, false);
-    if (err == cudaSuccess) err = make_map(&params.tma_b, a.b, a.n, rows, 1, false);
+    err = make_map(&params.tma_a, a.a, a.m, rows, 1, 64);
+    if (err == cudaSuccess) err = make_map(&params.tma_b, a.b, a.n, rows, 1, 64);
   }
   if (err != cudaSuccess) return err;
   const uint64_t out_rows = a.schedule == GemmSchedule::kRows ? rows : experts * uint64_t(a.m);
-  err = make_map(&params.tma_out, a.out, a.n, out_rows, 1, false);
+  err = make_map(&params.tma_out, a.out, a.n, out_rows, 1, 64);
   const void* out2 = a.epilogue == GemmEpilogue::kSwiGLU ? a.out_h
                      : a.epilogue == GemmEpilogue::kSwiGLUBackward ? a.out_dh
                                                                     : nullptr;
-  if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, false);
+  if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, 64);
   if (err != cudaSuccess) return err;
   const int grid = a.num_sms > 0 ? a.num_sms : 1;
   switch (a.schedule) {

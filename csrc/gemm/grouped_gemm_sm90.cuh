@@ -1,7 +1,8 @@
 // Device template of the expert-grouped GEMM family for sm_90a (see grouped_gemm.cuh).
 //
-// One CTA per SM, persistent. Warpgroup 0 is the producer: one thread walks the tile
-// sequence and issues TMA loads into a kStages-deep ring guarded by mbarriers.
+// One CTA per SM, persistent. Warpgroup 0 is the producer: one thread (one warp when the
+// A rows are gathered from the tokens) walks the tile sequence and issues TMA loads into a
+// kStages-deep ring guarded by mbarriers.
 // Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128 x 256 tile as two
 // 64 x 128 fp32 accumulators (the two halves of the tile's columns: for FC1 the gate
 // and the up projection of the same activation columns, so SwiGLU needs no shuffle),
@@ -204,9 +205,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x != 0) return;
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_a) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_b) : "memory");
+    // One thread issues the loads; with a gathered A operand its whole warp does, each lane
+    // loading 4 of the tile's 128 rows one by one.
+    const bool gather = S == GemmSchedule::kRows && args.a_row_src != nullptr;
+    const int lane = threadIdx.x;
+    if (threadIdx.x >= (gather ? 32 : 1)) return;
+    const uint32_t warp_mask = gather ? 0xffffffffu : 1u;
+    if (lane == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_a) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_b) : "memory");
+    }
     int stage = 0;
     uint32_t phase = 0;
     int32_t ready_expert = -1;
@@ -214,31 +222,53 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       const Tile tile = walker.at(t);
       if (S == GemmSchedule::kRows && args.hook.counters != nullptr && tile.k_tiles > 0 &&
           tile.expert != ready_expert) {
-        const uint64_t target = uint64_t(*args.hook.epoch) * args.hook.per_epoch;
-        wait_at_least(args.hook.counters + tile.expert, target, args.hook.timeout_ns, args.error, args.hook.rank, -1,
-                      tile.expert, kWaitGemmRows);
+        if (lane == 0) {
+          const uint64_t target = uint64_t(*args.hook.epoch) * args.hook.per_epoch;
+          wait_at_least(args.hook.counters + tile.expert, target, args.hook.timeout_ns, args.error, args.hook.rank,
+                        -1, tile.expert, kWaitGemmRows);
+        }
+        __syncwarp(warp_mask);
         asm volatile("fence.proxy.async.global;" ::: "memory");
         ready_expert = tile.expert;
       }
-      for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
-        cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], phase ^ 1);
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.full[stage], kStageBytes);
-        const int32_t k0 = tile.k_begin + kt * kGemmTileK;
-        uint64_t* bar = &smem.full[stage];
-        bfloat16_t* sa = smem.a + stage * kSubTileElems;
-        if constexpr (S == GemmSchedule::kRows) {
-          load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
-        } else {
-          load_tile<false>(&p.tma_a, bar, sa, tile.m0, k0, 0);
+      // Gathered A: the source row of each of this lane's rows; padding rows point past the
+      // tokens, where TMA fills zeros.
+      int32_t src_row[4];
+      if (gather && tile.k_tiles > 0) {
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          const int32_t slot = args.a_row_src[tile.m0 + lane + 32 * j];
+          src_row[j] = slot >= 0 ? slot / args.a_src_div : int32_t(args.a_src_rows);
         }
-        for (int j = 0; j < 2; ++j) {
-          bfloat16_t* sb = smem.b[j] + stage * kSubTileElems;
+      }
+      for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
+        uint64_t* bar = &smem.full[stage];
+        if (lane == 0) {
+          cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], phase ^ 1);
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBytes);
+        }
+        __syncwarp(warp_mask);
+        const int32_t k0 = tile.k_begin + kt * kGemmTileK;
+        bfloat16_t* sa = smem.a + stage * kSubTileElems;
+        if (gather) {
+          CUTE_UNROLL
+          for (int j = 0; j < 4; ++j) tma_load(&p.tma_a, bar, sa + (lane + 32 * j) * kGemmTileK, k0, src_row[j], 0);
+        }
+        if (lane == 0) {
           if constexpr (S == GemmSchedule::kRows) {
-            const int32_t n0 = E == GemmEpilogue::kSwiGLU ? tile.n_tile * 128 + j * args.n
-                                                          : tile.n_tile * kGemmTileN + j * 128;
-            load_tile<BKMajor>(&p.tma_b, bar, sb, n0, k0, tile.expert);
+            if (!gather) load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
           } else {
-            load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
+            load_tile<false>(&p.tma_a, bar, sa, tile.m0, k0, 0);
+          }
+          for (int j = 0; j < 2; ++j) {
+            bfloat16_t* sb = smem.b[j] + stage * kSubTileElems;
+            if constexpr (S == GemmSchedule::kRows) {
+              const int32_t n0 = E == GemmEpilogue::kSwiGLU ? tile.n_tile * 128 + j * args.n
+                                                            : tile.n_tile * kGemmTileN + j * 128;
+              load_tile<BKMajor>(&p.tma_b, bar, sb, n0, k0, tile.expert);
+            } else {
+              load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
+            }
           }
         }
         if (++stage == kStages) {
@@ -315,20 +345,31 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const int frag_col = 2 * (wtid % 4);
     uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
     const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
-    // Both accumulators as bf16 into boxes 0-1 (acc0) and 2-3 (acc1).
-    auto stage_accumulators = [&]() {
+    // Both accumulators as bf16 into boxes 0-1 (acc0) and 2-3 (acc1), the thread's two rows
+    // (frag_row, frag_row + 8) scaled by scale0 and scale1.
+    auto stage_accumulators = [&](float scale0, float scale1) {
       staging_acquire(wg, wtid);
       CUTE_UNROLL
       for (int i = 0; i < size(acc0); i += 2) {
-        const int r = frag_row + 8 * ((i >> 1) & 1);
+        const int half = (i >> 1) & 1;
+        const int r = frag_row + 8 * half;
         const int c = frag_col + 8 * (i >> 2);
-        put_pair(slots, c / 64, r, c % 64, pack(acc0(i), acc0(i + 1)));
-        put_pair(slots, 2 + c / 64, r, c % 64, pack(acc1(i), acc1(i + 1)));
+        const float scale = half ? scale1 : scale0;
+        put_pair(slots, c / 64, r, c % 64, pack(acc0(i) * scale, acc0(i + 1) * scale));
+        put_pair(slots, 2 + c / 64, r, c % 64, pack(acc1(i) * scale, acc1(i + 1) * scale));
       }
       staging_release(wg);
     };
     if constexpr (E == GemmEpilogue::kStore) {
-      stage_accumulators();
+      float scale[2] = {1.0f, 1.0f};
+      if (S == GemmSchedule::kRows && args.row_weight != nullptr) {
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int64_t r = int64_t(row0) + frag_row + 8 * h;
+          scale[h] = r < args.num_rows ? args.row_weight[r] : 0.0f;
+        }
+      }
+      stage_accumulators(scale[0], scale[1]);
       if (wtid == 0) {
         for (int b = 0; b < 4; ++b) tma_store(&p.tma_out, slots + b * kBoxBytes, tile.n_tile * kGemmTileN + 64 * b, row0);
         store_commit();
@@ -336,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     } else if constexpr (E == GemmEpilogue::kSwiGLU) {
       // The pre-activations are rounded to bf16 first, as kept for the backward.
       if (args.out_h != nullptr) {
-        stage_accumulators();
+        stage_accumulators(1.0f, 1.0f);
         if (wtid == 0) {
           for (int b = 0; b < 4; ++b) {
             const int32_t col = (b < 2 ? 0 : int32_t(n)) + tile.n_tile * 128 + 64 * (b % 2);

@@ -3,9 +3,9 @@
 Forward: ``ep_dispatch`` writes every routed row into its expert's rank, in expert-major
 order (``recv_rows``, each expert's range padded with zero rows to ``buffer.row_align``);
 the local experts run on the expert GEMM engine over that region (``torch._grouped_mm``
-where the engine does not apply: see ``ops.use_engine`` and ``row_align``);
-``ep_combine`` pushes each result row back to its source slot (``combine_rows``) and the
-deterministic ``combine_reduce`` kernel sums a token's K slots. Backward dispatches
+where the engine does not apply: see ``ops.use_engine`` and ``row_align``), FC2 applying
+each row's routing weight; ``ep_combine`` pushes each result row back to its source slot
+(``combine_rows``) and the deterministic ``combine_reduce`` kernel sums a token's K slots. Backward dispatches
 ``dy`` with the same routing, so it lands in the same receive layout as ``x`` did, and
 combines the row gradients (plus the routing-weight gradients as per-row scalars) back.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._validate import check_moe_inputs
-from .ops import ROW_ALIGN, expert_backward, expert_forward, use_engine
+from .ops import ROW_ALIGN, expert_backward, expert_fc1, expert_fc2, use_engine
 
 lib = torch.ops.primemoe
 
@@ -60,6 +60,12 @@ def _slot_map(slot_valid: torch.Tensor) -> torch.Tensor:
     return torch.where(slot_valid, slots, -1)
 
 
+def _received_row_weights(buffer) -> torch.Tensor:
+    """Routing weight of each received row. Padding rows (meta -1) are zero and get weight 0;
+    rows past the last expert's range are never sent back."""
+    return torch.where(buffer.region("recv_meta") >= 0, buffer.region("recv_weights"), 0.0)
+
+
 class _ExpertParallelMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w1, w2, buffer, keep_fc1, wants_grad):
@@ -69,9 +75,11 @@ class _ExpertParallelMoE(torch.autograd.Function):
         # so its tiles start as soon as their expert's rows have landed.
         _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights, wait=not engine)
         xs = buffer.region("recv_rows")
-        o, h = expert_forward(xs, w1, w2, offsets, keep_fc1, engine, buffer.rows_ready() if engine else None)
+        a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, buffer.rows_ready() if engine else None)
+        # Read after FC1, which has waited for every expert's rows: their weights have landed too.
+        o = expert_fc2(a, w2, offsets, _received_row_weights(buffer), engine)
         buffer.combine(o, offsets)
-        y = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), topk_weights)
+        y = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)
         if wants_grad:
             ctx.buffer = buffer
             ctx.engine = engine
@@ -89,9 +97,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
         # rank's receive region before that dispatch has exchanged its counts: no copies needed.
         _, offsets, slot_valid = buffer.dispatch(dy.contiguous(), topk_idx, topk_weights)
         dy_rows = buffer.region("recv_rows")
-        # Padding rows (meta -1) are zero and get weight 0. Rows past offsets[-1] are in no expert's
-        # range and are never sent back.
-        row_weight = torch.where(buffer.region("recv_meta") >= 0, buffer.region("recv_weights"), 0.0)
+        row_weight = _received_row_weights(buffer)
         # dtw_rows: one fp32 dot per received row, sent back to its slot as the routing-weight gradient.
         dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, ctx.engine)
         buffer.combine(dxs, offsets, dtw_rows)

@@ -5,18 +5,23 @@ torch.compile traces every op, the CPU and CUDA implementations of
 ``moe_forward`` / ``moe_backward``, and their autograd formula.
 
 CUDA path: the ``dispatch_layout`` kernel (device-side counts and row maps, no host
-sync), ``gather_rows`` into expert-major order, the expert GEMM engine (persistent
-warp-specialised sm_90a kernels, csrc/gemm/) and the deterministic ``combine_reduce``
-kernel. The engine's ops:
+sync), the expert GEMM engine (persistent warp-specialised sm_90a kernels, csrc/gemm/)
+and the deterministic ``combine_reduce`` kernel, which sums each token's already
+weighted rows. The engine's ops:
 
-- ``fc1_swiglu``: FC1 with SwiGLU in the epilogue (pre-activations kept on request);
-- ``expert_gemm``: FC2 forward and FC1 dgrad;
+- ``fc1_swiglu_gather``: FC1 with SwiGLU in the epilogue, its A rows gathered from the
+  tokens by the loads themselves (pre-activations kept on request);
+- ``fc1_swiglu``: the same over rows already in expert-major order (expert parallelism,
+  where the dispatch has placed them), with the producer's wait on arrival counters;
+- ``expert_gemm``: FC2 forward (routing weight applied in the epilogue) and FC1 dgrad;
 - ``fc2_dgrad_swiglu``: FC2 dgrad with the SwiGLU backward, the routing weight and the
   ``<da, a>`` routing-weight gradient partials in the epilogue;
 - ``expert_wgrad``: both weight gradients, each expert's rows reduced inside one tile.
 
 Where the engine does not cover a problem (not an sm_90 GPU, sizes not multiples of
-the tiles, ``PRIMEMOE_GEMM=torch``) the same composition runs on ``torch._grouped_mm``.
+the tiles, ``PRIMEMOE_GEMM=torch``) the same composition runs on ``gather_rows`` and
+``torch._grouped_mm``. The backward gathers x and dy with ``gather_rows``: the weight
+gradients reduce over rows, so their operands must be materialised in row order.
 
 Kept or recomputed FC1 pre-activations: kept by default (``keep_fc1=True``): the
 backward then skips a third of the forward's FLOPs for 2·I·2 bytes per routed row;
@@ -89,7 +94,7 @@ def _slot_dot_fake(a, b, slot_to_row):
 
 
 @torch.library.register_fake("primemoe::expert_gemm")
-def _expert_gemm_fake(rows, w, expert_offsets, w_kn):
+def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None):
     return rows.new_empty(rows.shape[0], w.shape[2] if w_kn else w.shape[1])
 
 
@@ -97,6 +102,12 @@ def _expert_gemm_fake(rows, w, expert_offsets, w_kn):
 def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, per_epoch=1, rank=0):
     inter = w1.shape[1] // 2
     return rows.new_empty(rows.shape[0], inter), rows.new_empty(rows.shape[0] if keep_fc1 else 0, 2 * inter)
+
+
+@torch.library.register_fake("primemoe::fc1_swiglu_gather")
+def _fc1_swiglu_gather_fake(x, row_to_slot, top_k, w1, expert_offsets, keep_fc1):
+    rows, inter = row_to_slot.shape[0], w1.shape[1] // 2
+    return x.new_empty(rows, inter), x.new_empty(rows if keep_fc1 else 0, 2 * inter)
 
 
 @torch.library.register_fake("primemoe::fc2_dgrad_swiglu")
@@ -174,17 +185,23 @@ def row_weights(topk_weights, row_to_slot):
     return torch.where(row_to_slot >= 0, w, 0.0)
 
 
-def expert_forward(xs, w1, w2, offsets, keep_fc1, engine, rows_ready=None):
-    """FC2(swiglu(FC1(xs))) per expert over the expert-major rows: (o, h or an empty [0, 2I]).
+def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None):
+    """FC1 + SwiGLU per expert over the expert-major rows: ``(a, h or an empty [0, 2I])``.
     ``rows_ready`` (engine only): ``(counters, epoch, per_epoch, rank)``: FC1's producer waits for
     ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows."""
     if engine:
-        a, h = lib.fc1_swiglu(xs, w1, offsets, keep_fc1, *(rows_ready or ()))
-        return lib.expert_gemm(a, w2, offsets, False), h
-    ends = offsets[1:]
-    h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-    o = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=ends)
-    return o, (h if keep_fc1 else h.new_empty(0, h.shape[1]))
+        return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, *(rows_ready or ()))
+    h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets[1:])
+    return swiglu(h), (h if keep_fc1 else h.new_empty(0, h.shape[1]))
+
+
+def expert_fc2(a, w2, offsets, row_weight, engine):
+    """``row_weight * FC2(a)`` per expert: the routing weight is applied here (in the engine's
+    epilogue), so the combine only sums a token's rows."""
+    if engine:
+        return lib.expert_gemm(a, w2, offsets, False, row_weight)
+    o = torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets[1:])
+    return (o.float() * row_weight.unsqueeze(1)).to(o.dtype)
 
 
 def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine):
@@ -221,9 +238,12 @@ def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine):
     _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
     if T * K == 0:
         return x.new_zeros(T, H), x.new_zeros(row_to_slot.numel() if keep_fc1 else 0, two_i)
-    xs = lib.gather_rows(x, row_to_slot, K, None)
-    o, h = expert_forward(xs, w1, w2, offsets, keep_fc1, engine)
-    return lib.combine_reduce(o, slot_to_row, topk_weights), h
+    if engine:  # the gather of the routed tokens is fused into FC1's loads
+        a, h = lib.fc1_swiglu_gather(x, row_to_slot, K, w1, offsets, keep_fc1)
+    else:
+        a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None), w1, offsets, keep_fc1, False)
+    o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine)
+    return lib.combine_reduce(o, slot_to_row, None), h
 
 
 def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine):

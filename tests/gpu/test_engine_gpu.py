@@ -5,7 +5,7 @@ exact tile multiples, one expert with most rows), with poisoned output memory.""
 import pytest
 import torch
 
-from engine_cases import engine_operands
+from engine_cases import engine_operands, gather_operands
 from helpers import REFERENCE_SHAPES, poison_caching_allocator
 
 import primemoe
@@ -51,6 +51,26 @@ def test_forward_ops_match_cpu(counts, shape):
     assert h_none.shape[0] == 0 and torch.equal(a_only, a)
     o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False)
     assert_rows_close("fc2", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False))
+    o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight)
+    assert_rows_close("fc2 weighted", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu.row_weight))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
+@pytest.mark.parametrize("tokens", [1, 17, 4095])
+def test_fc1_gather_equals_fc1_of_gathered_rows(tokens, routing, shape):
+    """The gather fused into FC1's loads (one TMA per row) gives the same bits as FC1 over rows
+    gathered beforehand, and matches the CPU kernel; padding rows come out as zeros."""
+    hidden, inter = SHAPES[shape]
+    g = gather_operands(tokens, 8, 16, hidden, inter, routing, seed=tokens, device="cuda")
+    poison_caching_allocator()
+    a, h = ops.fc1_swiglu_gather(g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, True)
+    xs = ops.gather_rows(g.x, g.row_to_slot, g.top_k, None)
+    a_ref, h_ref = ops.fc1_swiglu(xs, g.w1, g.offsets, True)
+    assert torch.equal(h, h_ref) and torch.equal(a, a_ref)
+    cpu = ops.fc1_swiglu_gather(g.x.cpu(), g.row_to_slot.cpu(), g.top_k, g.w1.cpu(), g.offsets.cpu(), True)
+    assert_rows_close("fc1 gathered h", h, cpu[1])
+    assert not h[g.row_to_slot < 0].any(), "padding rows must be zeros"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -91,6 +111,9 @@ def test_engine_ops_are_bitwise_repeatable():
 def test_opcheck_engine_ops_on_cuda():
     e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=4, device="cuda")
     torch.library.opcheck(ops.fc1_swiglu, (e.xs, e.w1, e.offsets, True))
+    torch.library.opcheck(ops.expert_gemm, (e.a, e.w2, e.offsets, False, e.row_weight))
+    g = gather_operands(40, 4, 3, 256, 256, "masked", seed=4, device="cuda")
+    torch.library.opcheck(ops.fc1_swiglu_gather, (g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, True))
     torch.library.opcheck(ops.expert_gemm, (e.a, e.w2, e.offsets, False))
     torch.library.opcheck(ops.expert_gemm, (e.h, e.w1, e.offsets, True))
     torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets))
