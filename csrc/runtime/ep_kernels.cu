@@ -64,14 +64,14 @@ __device__ __forceinline__ void publish_run(int32_t rows, int32_t* done, const i
   }
 }
 
-// Each warp takes one contiguous range of rows, so it makes its rows visible and counts
-// them once per run of rows with the same (destination, expert) or source, not once per row.
-__device__ __forceinline__ void warp_row_range(int32_t total, int32_t* begin, int32_t* end) {
+// Each warp takes one contiguous share of the rows [first, last), so it makes its rows visible
+// and counts them once per run of rows with the same (destination, expert) or source, not once per row.
+__device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int32_t* begin, int32_t* end) {
   const int32_t warps = gridDim.x * kRowWarps;
   const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
-  const int32_t per_warp = (total + warps - 1) / warps;
-  *begin = min(total, warp * per_warp);
-  *end = min(total, *begin + per_warp);
+  const int32_t per_warp = (last - first + warps - 1) / warps;
+  *begin = min(last, first + warp * per_warp);
+  *end = min(last, *begin + per_warp);
 }
 
 __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
 
 __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatchArgs a) {
   const EpConfig& c = a.cfg;
-  const int E = c.local_experts, me = c.rank, H = c.hidden, K = c.top_k;
+  const int W = c.world, E = c.local_experts, me = c.rank, H = c.hidden, K = c.top_k;
   const int lane = threadIdx.x % 32;
   const int64_t S = c.max_slots();
   __nv_bfloat16* recv_rows = region<__nv_bfloat16>(a.workspace, a.layout.recv_rows);
@@ -164,9 +164,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
     }
   }
 
-  int32_t begin, end;
-  warp_row_range(a.send_offsets[int64_t(c.world) * E], &begin, &end);
-  int64_t run_g = -1;  // global expert of the current run of rows
+  int32_t run_g = -1;  // global expert of the current run of rows
   int32_t run_rows = 0;
   // Rows of a run are visible on their destination before the run is counted there; the
   // run that completes a (destination, expert) pair signals its arrival counter.
@@ -176,40 +174,47 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
                 NVSHMEM_SIGNAL_ADD, static_cast<int>(run_g / E), lane);
     run_rows = 0;
   };
-  for (int32_t batch = begin; batch < end; batch += 32) {
-    // Lane l looks up row batch + l (slot, expert, position on the destination, weight), so the
-    // row loop below starts each copy without a chain of dependent loads.
-    const int32_t mine = batch + lane;
-    int32_t my_slot = 0;
-    int64_t my_g = 0;
-    int64_t my_pos = 0;
-    float my_weight = 0.0f;
-    if (mine < end) {
-      my_slot = a.send_row_to_slot[mine];
-      my_g = expert_id(a.topk_idx, a.idx_is_int64, my_slot);
-      my_pos = a.scratch.send_base[my_g] + (mine - a.send_offsets[my_g]);
-      my_weight = slot_weight(a.topk_weights, a.weight_type, my_slot);
-    }
-    const int rows = min(32, end - batch);
-    for (int i = 0; i < rows; ++i) {
-      const int32_t slot = __shfl_sync(0xffffffffu, my_slot, i);
-      const int64_t g = __shfl_sync(0xffffffffu, my_g, i);
-      const int64_t pos = __shfl_sync(0xffffffffu, my_pos, i);
-      if (g != run_g) {
-        finish_run();
-        run_g = g;
+  // The send rows are sorted by destination, so every warp takes its share of each destination's
+  // rows: all warps mix NVLink and local copies instead of some doing only the cheap local ones.
+  // The rotated start spreads the warps' traffic over the peers.
+  for (int step = 0; step < W; ++step) {
+    const int dest = (me + 1 + warp + step) % W;
+    int32_t begin, end;
+    warp_row_range(a.send_offsets[dest * E], a.send_offsets[(dest + 1) * E], &begin, &end);
+    for (int32_t batch = begin; batch < end; batch += 32) {
+      // Lane l looks up row batch + l (slot, expert, position on the destination, weight), so the
+      // row loop below starts each copy without a chain of dependent loads.
+      const int32_t mine = batch + lane;
+      int32_t my_slot = 0;
+      int32_t my_g = 0;  // 32-bit expert and position: the kernel is at its 128-register limit
+      int32_t my_pos = 0;
+      float my_weight = 0.0f;
+      if (mine < end) {
+        my_slot = a.send_row_to_slot[mine];
+        my_g = static_cast<int32_t>(expert_id(a.topk_idx, a.idx_is_int64, my_slot));
+        my_pos = a.scratch.send_base[my_g] + (mine - a.send_offsets[my_g]);
+        my_weight = slot_weight(a.topk_weights, a.weight_type, my_slot);
       }
-      const int dest = static_cast<int>(g / E);
-      copy_row(reinterpret_cast<uint4*>(on_peer(recv_rows + pos * H, dest)),
-               reinterpret_cast<const uint4*>(x + int64_t(slot / K) * H), H / kVec, lane);
-      if (lane == i) {
-        *on_peer(recv_meta + pos, dest) = static_cast<int32_t>(me * S + slot);
-        *on_peer(recv_weights + pos, dest) = my_weight;
+      const int rows = min(32, end - batch);
+      for (int i = 0; i < rows; ++i) {
+        const int32_t slot = __shfl_sync(0xffffffffu, my_slot, i);
+        const int32_t g = __shfl_sync(0xffffffffu, my_g, i);
+        const int32_t pos = __shfl_sync(0xffffffffu, my_pos, i);
+        if (g != run_g) {
+          finish_run();
+          run_g = g;
+        }
+        copy_row(reinterpret_cast<uint4*>(on_peer(recv_rows + int64_t(pos) * H, dest)),
+                 reinterpret_cast<const uint4*>(x + int64_t(slot / K) * H), H / kVec, lane);
+        if (lane == i) {
+          *on_peer(recv_meta + pos, dest) = static_cast<int32_t>(me * S + slot);
+          *on_peer(recv_weights + pos, dest) = my_weight;
+        }
+        ++run_rows;
       }
-      ++run_rows;
     }
+    finish_run();
   }
-  finish_run();
 }
 
 __global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchArgs a) {
@@ -237,7 +242,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
     }
   }
   int32_t begin, end;
-  warp_row_range(a.expert_offsets[c.local_experts], &begin, &end);
+  warp_row_range(0, a.expert_offsets[c.local_experts], &begin, &end);
   int run_src = -1;  // source rank of the current run of rows
   int32_t run_rows = 0;
   auto finish_run = [&]() {
