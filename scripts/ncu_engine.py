@@ -1,0 +1,25 @@
+"""The engine's forward GEMMs at Qwen3-30B-A3B, T = 16384, for Nsight Compute: each kernel runs
+once to warm up, then once more (profile with --launch-skip 3 --launch-count 3):
+fc1_swiglu_gather, fc1_swiglu over pre-gathered rows, FC2 (expert_gemm with the routing weight)."""
+
+import torch
+
+from primemoe import ops, route
+
+lib = torch.ops.primemoe
+H, I, E, K, T = 2048, 768, 128, 8, 16384
+
+gen = torch.Generator("cuda").manual_seed(0)
+x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+idx, w = route(torch.randn(T, E, device="cuda", generator=gen), K)
+w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
+w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+_, off, _, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
+xs = lib.gather_rows(x, r2s, K, None)
+rw = ops.row_weights(w, r2s)
+for _ in range(2):
+    lib.fc1_swiglu_gather(x, r2s, K, w1, off, True)
+    a, _ = lib.fc1_swiglu(xs, w1, off, True)
+    lib.expert_gemm(a, w2, off, False, rw)
+torch.cuda.synchronize()
+print("done")
