@@ -328,17 +328,26 @@ void nvshmem_finalize_op() {
   if (nvshmem_is_initialized()) nvshmem_shutdown();
 }
 
+// Collective (a small symmetric allocation): whether some peer is not reachable by load/store from here.
+bool nvshmem_peers_need_put_op() {
+  PRIMEMOE_CHECK(nvshmem_is_initialized(), "nvshmem: call nvshmem_init before probing the peers");
+  const int status = nvshmem_peers_need_put();
+  PRIMEMOE_CHECK(status >= 0, "nvshmem: could not allocate 16 bytes of symmetric memory to probe the peers");
+  return status == 1;
+}
+
 EpConfig ep_config(int64_t rank, int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k,
-                   int64_t local_experts, int64_t row_align) {
+                   int64_t local_experts, int64_t row_align, bool put_peers, bool force_put) {
   PRIMEMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "rank: expected 0 <= rank < world");
   PRIMEMOE_CHECK(max_tokens >= 1 && hidden >= 8 && hidden % 8 == 0 && top_k >= 1 && local_experts >= 1 &&
                      row_align >= 1,
                  "ep: expected positive sizes and a hidden size that is a multiple of 8");
   PRIMEMOE_CHECK(world * local_experts <= kLayoutMaxLocalExperts, "ep: at most ", kLayoutMaxLocalExperts,
                  " experts in all, got ", world * local_experts);
+  PRIMEMOE_CHECK(put_peers || !force_put, "ep: force_put needs the put staging region (put_peers=True)");
   EpConfig c{static_cast<int32_t>(rank),       static_cast<int32_t>(world),  static_cast<int32_t>(max_tokens),
              static_cast<int32_t>(hidden),     static_cast<int32_t>(top_k),  static_cast<int32_t>(local_experts),
-             static_cast<int32_t>(row_align)};
+             static_cast<int32_t>(row_align),  put_peers,                    force_put};
   PRIMEMOE_CHECK(c.max_recv_rows() < (int64_t(1) << 31), "ep: max_tokens * top_k * world exceeds 32-bit row indices");
   return c;
 }
@@ -346,11 +355,12 @@ EpConfig ep_config(int64_t rank, int64_t world, int64_t max_tokens, int64_t hidd
 // Byte offsets of the regions in declaration order, then the total: the Python views
 // take them from here so the layout is defined once.
 std::vector<int64_t> ep_workspace_layout_op(int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k,
-                                            int64_t local_experts, int64_t row_align) {
-  const EpLayout l = ep_layout(ep_config(0, world, max_tokens, hidden, top_k, local_experts, row_align));
+                                            int64_t local_experts, int64_t row_align, bool put_peers) {
+  const EpLayout l =
+      ep_layout(ep_config(0, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers, false));
   const size_t fields[] = {l.count_matrix, l.count_flags, l.expert_arrivals,
                            l.combine_flags, l.recv_rows, l.recv_meta, l.recv_weights, l.combine_rows,
-                           l.combine_scalars, l.scratch, l.total};
+                           l.combine_scalars, l.scratch, l.stage_rows, l.total};
   return std::vector<int64_t>(std::begin(fields), std::end(fields));
 }
 
@@ -360,11 +370,6 @@ at::Tensor ep_workspace_alloc_op(int64_t nbytes) {
   void* ptr = nvshmem_alloc_symmetric(static_cast<size_t>(nbytes));
   PRIMEMOE_CHECK(ptr != nullptr, "nvshmem: could not allocate ", nbytes,
                  " bytes of symmetric memory (raise NVSHMEM_SYMMETRIC_SIZE)");
-  if (!nvshmem_all_peers_mapped(ptr)) {
-    nvshmem_free_symmetric(ptr);
-    PRIMEMOE_CHECK(false, "primemoe: some peers are not reachable by load/store (another node); "
-                          "the inter-node NVSHMEM path is not implemented yet");
-  }
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   check_cuda(cudaMemset(ptr, 0, static_cast<size_t>(nbytes)), "cudaMemset");
@@ -391,10 +396,15 @@ EpScratch ep_scratch(uint8_t* ws, const EpLayout& l, const EpConfig& c) {
   return {base, base + pairs, base + 2 * pairs, base + 3 * pairs};
 }
 
-void check_workspace(const at::Tensor& ws, const at::Tensor& epoch, const EpLayout& l) {
+void check_workspace(const at::Tensor& ws, const at::Tensor& epoch, const EpConfig& c, const EpLayout& l) {
   PRIMEMOE_CHECK(ws.is_cuda() && ws.scalar_type() == at::kByte && ws.numel() >= static_cast<int64_t>(l.total),
                  "workspace: expected the Buffer's uint8 CUDA workspace of at least ", static_cast<int64_t>(l.total),
                  " bytes");
+  PRIMEMOE_CHECK(nvshmem_is_initialized(), "nvshmem: not initialised (the workspace comes from a primemoe.Buffer)");
+  // Without the staging region a peer that needs puts could not be written at all.
+  PRIMEMOE_CHECK(c.put_peers || nvshmem_all_peers_mapped(ws.data_ptr()),
+                 "workspace: not NVSHMEM symmetric memory, or some peer is not reachable by load/store and "
+                 "put_peers is false");
   PRIMEMOE_CHECK(epoch.is_cuda() && epoch.scalar_type() == at::kLong && epoch.numel() == 1,
                  "epoch: expected a 1-element int64 CUDA tensor");
 }
@@ -404,11 +414,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& work
                                                                  const at::Tensor& topk_weights, int64_t rank,
                                                                  int64_t world, int64_t max_tokens,
                                                                  int64_t local_experts, int64_t row_align,
-                                                                 int64_t num_sms, bool wait_arrivals) {
+                                                                 int64_t num_sms, bool wait_arrivals, bool put_peers,
+                                                                 bool force_put) {
   check_rows(x, "x");
-  const EpConfig c = ep_config(rank, world, max_tokens, x.size(1), topk_idx.size(1), local_experts, row_align);
+  const EpConfig c = ep_config(rank, world, max_tokens, x.size(1), topk_idx.size(1), local_experts, row_align,
+                               put_peers, force_put);
   const EpLayout l = ep_layout(c);
-  check_workspace(workspace, epoch, l);
+  check_workspace(workspace, epoch, c, l);
   PRIMEMOE_CHECK(x.size(0) <= max_tokens, "x: ", x.size(0), " tokens exceed the buffer's max_tokens_per_rank ",
                  max_tokens);
   PRIMEMOE_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights: expected the shape of topk_idx");
@@ -448,10 +460,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& work
 void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor& rows,
                      const std::optional<at::Tensor>& row_scalars, const at::Tensor& expert_offsets, int64_t rank,
                      int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t local_experts,
-                     int64_t row_align, int64_t num_sms) {
-  const EpConfig c = ep_config(rank, world, max_tokens, hidden, top_k, local_experts, row_align);
+                     int64_t row_align, int64_t num_sms, bool put_peers, bool force_put) {
+  const EpConfig c = ep_config(rank, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers,
+                               force_put);
   const EpLayout l = ep_layout(c);
-  check_workspace(workspace, epoch, l);
+  check_workspace(workspace, epoch, c, l);
   check_rows(rows, "rows");
   PRIMEMOE_CHECK(rows.size(0) >= c.max_recv_rows() && rows.size(1) == hidden, "rows: expected [",
                  c.max_recv_rows(), ", ", hidden, "] in the receive layout, got ", rows.sizes());
@@ -844,19 +857,22 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("nvshmem_unique_id() -> Tensor", &nvshmem_unique_id_op);
   m.def("nvshmem_init(Tensor unique_id, int rank, int world) -> ()", &nvshmem_init_op);
   m.def("nvshmem_finalize() -> ()", &nvshmem_finalize_op);
+  m.def("nvshmem_peers_need_put() -> bool", &nvshmem_peers_need_put_op);
   m.def(
-      "ep_workspace_layout(int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align) "
-      "-> int[]",
+      "ep_workspace_layout(int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, "
+      "bool put_peers) -> int[]",
       &ep_workspace_layout_op);
   m.def("ep_workspace_alloc(int nbytes) -> Tensor", &ep_workspace_alloc_op);
   m.def("ep_workspace_free(Tensor workspace) -> ()", &ep_workspace_free_op);
   m.def(
       "ep_dispatch(Tensor(a!) workspace, Tensor(b!) epoch, Tensor x, Tensor topk_idx, Tensor topk_weights, int rank, "
-      "int world, int max_tokens, int local_experts, int row_align, int num_sms, bool wait_arrivals=True) "
-      "-> (Tensor expert_counts, Tensor expert_offsets, Tensor slot_valid)");
+      "int world, int max_tokens, int local_experts, int row_align, int num_sms, bool wait_arrivals=True, "
+      "bool put_peers=False, bool force_put=False) -> (Tensor expert_counts, Tensor expert_offsets, "
+      "Tensor slot_valid)");
   m.def(
       "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "
-      "int rank, int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, int num_sms) -> ()");
+      "int rank, int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, int num_sms, "
+      "bool put_peers=False, bool force_put=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {

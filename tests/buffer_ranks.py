@@ -93,7 +93,8 @@ def single_rank_lifecycle(rank, world, problem_path, out_dir):
 
 def dispatch_cases(rank, world, cases_path, out_dir):
     """Each case: ep_dispatch, the receive region, then ep_combine echoing every received row
-    (and its routing weight as the row scalar) back to its source slot."""
+    (and its routing weight as the row scalar) back to its source slot. Also the workspace's size
+    and whether it has the put staging region."""
     data = torch.load(cases_path)
     results = {}
     with nccl_rank(rank, world) as device, primemoe.Buffer(dist.group.WORLD, **data["sizes"]) as buffer:
@@ -114,6 +115,7 @@ def dispatch_cases(rank, world, cases_path, out_dir):
             results[name] = {key: value.cpu() for key, value in dict(
                 counts=counts, offsets=offsets, slot_valid=slot_valid, **received, **echoed).items()}
             results[name]["error"] = error
+        results["workspace"] = dict(nbytes=buffer.nbytes, put_peers=buffer.put_peers)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -1,6 +1,9 @@
 """primemoe.Buffer without a GPU: the workspace layout, argument checks (all before CUDA and
 NVSHMEM are touched), the NVSHMEM environment rules and moe(buffer=...) argument errors."""
 
+import contextlib
+import dataclasses
+import os
 import types
 
 import pytest
@@ -12,7 +15,8 @@ from helpers import make_problem
 import primemoe
 from primemoe import buffer as buffer_module
 from primemoe._validate import MoeShape
-from primemoe.buffer import SYMMETRIC_HEAP_MARGIN, EpConfig, buffer_config, ep_layout, ep_region, nvshmem_environment
+from primemoe.buffer import (SYMMETRIC_HEAP_MARGIN, EpConfig, buffer_config, ep_layout, ep_region, ep_transport,
+                             nvshmem_environment)
 from primemoe.ep import check_buffer_problem
 
 GOOD_SIZES = dict(max_tokens_per_rank=64, hidden=32, intermediate=16, num_experts=8, top_k=2)
@@ -21,9 +25,12 @@ GOOD_SIZES = dict(max_tokens_per_rank=64, hidden=32, intermediate=16, num_expert
 # ---------------------------------------------------------------- workspace layout
 
 
+HAND_SIZES = dict(world=2, max_tokens=3, hidden=8, top_k=2, local_experts=3, row_align=4)
+
+
 def test_layout_matches_a_hand_computation():
     # W=2, max_tokens=3, H=8, K=2, E_local=3, row_align=4: S = 6 slots, R = 2*6 + 3*3 = 21 rows.
-    config = EpConfig(world=2, max_tokens=3, hidden=8, top_k=2, local_experts=3, row_align=4)
+    config = EpConfig(**HAND_SIZES, put_peers=False)
     assert (config.max_slots, config.max_recv_rows) == (6, 21)
     expected = {  # name: (offset, dtype, shape); each region starts 16-byte aligned after the previous one
         "count_matrix": (0, torch.int32, (2, 2, 3)),  # 48 bytes
@@ -36,14 +43,32 @@ def test_layout_matches_a_hand_computation():
         "combine_rows": (640, torch.bfloat16, (6, 8)),  # 96
         "combine_scalars": (736, torch.float32, (6,)),  # 24 -> 768
         "scratch": (768, torch.int32, (4, 6)),  # 96
+        "stage_rows": (864, torch.bfloat16, (0, 8)),  # no rank sends by puts: empty
     }
     layout, total = ep_layout(config)
     assert layout == expected
     assert total == 864
 
 
-def test_regions_are_views_at_their_offsets():
-    sizes = dict(world=2, max_tokens=3, hidden=8, top_k=2, local_experts=3, row_align=4)
+def test_put_peers_add_only_the_staging_region_at_the_end():
+    stores, stores_total = ep_layout(EpConfig(**HAND_SIZES, put_peers=False))
+    puts, puts_total = ep_layout(EpConfig(**HAND_SIZES, put_peers=True))
+    assert puts.pop("stage_rows") == (864, torch.bfloat16, (21, 8))  # R x H bf16: 336 bytes
+    assert puts_total == 864 + 336
+    stores.pop("stage_rows")
+    assert puts == stores
+
+
+@pytest.mark.parametrize("put_peers", [False, True])
+def test_the_views_take_their_offsets_from_the_op(put_peers):
+    layout, total = ep_layout(EpConfig(**HAND_SIZES, put_peers=put_peers))
+    op = torch.ops.primemoe.ep_workspace_layout(*HAND_SIZES.values(), put_peers)
+    assert op == [offset for offset, _, _ in layout.values()] + [total]
+
+
+@pytest.mark.parametrize("put_peers", [False, True])
+def test_regions_are_views_at_their_offsets(put_peers):
+    sizes = dict(HAND_SIZES, put_peers=put_peers)
     layout, total = ep_layout(EpConfig(**sizes))
     workspace = torch.zeros(total, dtype=torch.uint8)
     expected = torch.zeros(total, dtype=torch.uint8)
@@ -61,8 +86,9 @@ def test_regions_are_views_at_their_offsets():
     dict(world=8, max_tokens=4096, hidden=7168, top_k=8, local_experts=32, row_align=1),
     dict(world=4, max_tokens=17, hidden=2048, top_k=6, local_experts=5, row_align=128),
 ])
-def test_regions_are_aligned_disjoint_and_fit(sizes):
-    layout, total = ep_layout(EpConfig(**sizes))
+@pytest.mark.parametrize("put_peers", [False, True])
+def test_regions_are_aligned_disjoint_and_fit(sizes, put_peers):
+    layout, total = ep_layout(EpConfig(**sizes, put_peers=put_peers))
     end = 0
     for name, (offset, dtype, shape) in layout.items():
         assert offset % 16 == 0 and offset >= end, name
@@ -71,7 +97,7 @@ def test_regions_are_aligned_disjoint_and_fit(sizes):
 
 
 def test_ep_region_rejects_unknown_names_and_small_workspaces():
-    sizes = dict(world=2, max_tokens=3, hidden=8, top_k=2, local_experts=3, row_align=1)
+    sizes = dict(world=2, max_tokens=3, hidden=8, top_k=2, local_experts=3, row_align=1, put_peers=False)
     _, total = ep_layout(EpConfig(**sizes))
     with pytest.raises(KeyError, match="unknown region 'recv'"):
         ep_region(torch.zeros(total, dtype=torch.uint8), "recv", **sizes)
@@ -172,6 +198,44 @@ def test_environment_forces_multicast_off_with_a_warning(value):
     updates, warns = nvshmem_environment({"NVSHMEM_DISABLE_NVLS": value}, ["node0"], GIB)
     assert updates["NVSHMEM_DISABLE_NVLS"] == "1"
     assert len(warns) == 1 and "NVLink multicast must stay off" in warns[0] and repr(value) in warns[0]
+
+
+# ---------------------------------------------------------------- PRIMEMOE_EP_TRANSPORT
+
+
+def test_transport_is_auto_unless_set():
+    assert ep_transport({}) == "auto"
+    assert ep_transport({"PRIMEMOE_EP_TRANSPORT": "auto"}) == "auto"
+    assert ep_transport({"PRIMEMOE_EP_TRANSPORT": "put"}) == "put"
+
+
+@pytest.mark.parametrize("value", ["", "PUT", "ibgda", "stores"])
+def test_transport_rejects_other_values(value):
+    with pytest.raises(ValueError, match=rf"PRIMEMOE_EP_TRANSPORT: expected one of \['auto', 'put'\], got '{value}'"):
+        ep_transport({"PRIMEMOE_EP_TRANSPORT": value})
+
+
+def test_buffer_rejects_a_bad_transport_before_touching_nvshmem(group, no_nvshmem, monkeypatch):
+    monkeypatch.setenv("PRIMEMOE_EP_TRANSPORT", "ibgda")
+    with pytest.raises(ValueError, match="PRIMEMOE_EP_TRANSPORT: expected one of"):
+        primemoe.Buffer(group, **GOOD_SIZES)
+
+
+@pytest.mark.parametrize("force_put", [False, True])
+def test_symmetric_heap_has_room_for_the_staging_region_when_puts_are_forced(group, monkeypatch, force_put):
+    """The heap is sized before NVSHMEM can probe the peers: one host, so only forcing puts adds the region."""
+    for name in ("NVSHMEM_DISABLE_NVLS", "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_SYMMETRIC_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test, whatever _start_nvshmem sets
+    monkeypatch.setattr(buffer_module, "_bootstrap", None)
+    monkeypatch.setattr(buffer_module, "_env_set_here", {})
+    stub = types.SimpleNamespace(nvshmem_unique_id=lambda: "id", nvshmem_init=lambda *args: None,
+                                 ep_workspace_layout=torch.ops.primemoe.ep_workspace_layout)
+    monkeypatch.setattr(buffer_module, "lib", stub)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    config = buffer_config(1, **GOOD_SIZES, row_align=128, num_sms=24)
+    buffer_module._start_nvshmem(group, 0, 1, 0, config, force_put)
+    _, workspace_bytes = ep_layout(dataclasses.replace(config, put_peers=force_put))
+    assert os.environ["NVSHMEM_SYMMETRIC_SIZE"] == str(workspace_bytes + SYMMETRIC_HEAP_MARGIN)
 
 
 # ---------------------------------------------------------------- moe(buffer=...)

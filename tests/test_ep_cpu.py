@@ -50,12 +50,13 @@ class ModelBuffer:
         self.max_tokens_per_rank, self.hidden, self.intermediate = max_tokens_per_rank, hidden, intermediate
         self.num_experts, self.top_k, self.row_align = num_experts, top_k, row_align
         self.local_experts = num_experts // world.size
-        config = EpConfig(world.size, max_tokens_per_rank, hidden, top_k, self.local_experts, row_align)
+        config = EpConfig(world.size, max_tokens_per_rank, hidden, top_k, self.local_experts, row_align,
+                          put_peers=False)
         self.max_slots, self.max_recv_rows = config.max_slots, config.max_recv_rows
         layout, total = ep_layout(config)
         workspace = torch.zeros(total, dtype=torch.uint8)
         self.regions = {name: ep_region(workspace, name, world.size, max_tokens_per_rank, hidden, top_k,
-                                        self.local_experts, row_align) for name in layout}
+                                        self.local_experts, row_align, put_peers=False) for name in layout}
         self.gen = torch.Generator().manual_seed(rank)
 
     def region(self, name):

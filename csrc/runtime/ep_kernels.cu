@@ -16,11 +16,6 @@ __device__ __forceinline__ T* region(uint8_t* ws, size_t offset) {
   return reinterpret_cast<T*>(ws + offset);
 }
 
-template <typename T>
-__device__ __forceinline__ T* on_peer(T* symmetric, int pe) {
-  return static_cast<T*>(nvshmem_ptr(symmetric, pe));
-}
-
 __device__ __forceinline__ int32_t padded(int32_t rows, int32_t align) { return (rows + align - 1) / align * align; }
 
 __device__ __forceinline__ int64_t expert_id(const void* ids, bool is_int64, int64_t slot) {
@@ -52,10 +47,54 @@ __device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int vecs,
   }
 }
 
-// Ends a warp's run of `rows` rows sent to `pe`: makes them visible there, counts them in
-// *done, and the run that brings *done to *expected applies `op` with `value` to `signal` on `pe`.
+// How this rank writes into `pe`'s copy of its symmetric workspace `ws`: by plain stores through
+// `mapped` (that copy as this GPU maps it), or, where null, by NVSHMEM RMA on the symmetric address.
+struct PeerWriter {
+  int pe;
+  uint8_t* ws;
+  uint8_t* mapped;
+
+  __device__ PeerWriter(uint8_t* workspace, int peer, const EpConfig& c) : pe(peer), ws(workspace) {
+    if (peer == c.rank) mapped = workspace;
+    else mapped = c.force_put ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(workspace, peer));
+  }
+
+  __device__ bool puts() const { return mapped == nullptr; }
+
+  template <typename T>
+  __device__ T* at(T* symmetric) const {
+    return reinterpret_cast<T*>(mapped + (reinterpret_cast<uint8_t*>(symmetric) - ws));
+  }
+
+  __device__ void value(int32_t* dst, int32_t v) const {
+    if (puts()) nvshmem_int_p(dst, v, pe);
+    else *at(dst) = v;
+  }
+
+  __device__ void value(float* dst, float v) const {
+    if (puts()) nvshmem_float_p(dst, v, pe);
+    else *at(dst) = v;
+  }
+
+  // One row, by the whole warp. A put reads it from `stage`, this rank's own symmetric row.
+  __device__ void row(__nv_bfloat16* dst, const __nv_bfloat16* src, __nv_bfloat16* stage, int H, int lane) const {
+    if (!puts()) {
+      copy_row(reinterpret_cast<uint4*>(at(dst)), reinterpret_cast<const uint4*>(src), H / kVec, lane);
+      return;
+    }
+    copy_row(reinterpret_cast<uint4*>(stage), reinterpret_cast<const uint4*>(src), H / kVec, lane);
+    __syncwarp();
+    __threadfence();  // the whole staged row is in memory before the transport reads it
+    nvshmemx_putmem_nbi_warp(dst, stage, size_t(H) * sizeof(__nv_bfloat16), pe);
+  }
+};
+
+// Ends a warp's run of `rows` rows sent to `pe`: makes them visible there (after puts, each lane first
+// completes its own), counts them in *done, and the run that brings *done to *expected applies `op`
+// with `value` to `signal` on `pe`.
 __device__ __forceinline__ void publish_run(int32_t rows, int32_t* done, const int32_t* expected, uint64_t* signal,
-                                            uint64_t value, int op, int pe, int lane) {
+                                            uint64_t value, int op, int pe, int lane, bool puts) {
+  if (puts) nvshmem_quiet();
   __syncwarp();
   __threadfence_system();
   if (lane == 0 && atomicAdd(done, rows) + rows == *expected) {
@@ -90,9 +129,11 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
 
   int32_t* my_row = matrix + int64_t(me) * W * E;
   for (int p = 0; p < W; ++p) {
-    int32_t* dst = on_peer(my_row, p);
-    for (int i = threadIdx.x; i < W * E; i += blockDim.x) dst[i] = a.send_counts[i];
+    const PeerWriter to(a.workspace, p, c);
+    for (int i = threadIdx.x; i < W * E; i += blockDim.x) to.value(my_row + i, a.send_counts[i]);
   }
+  // Each writer completes its own puts before the flags below say the counts have landed.
+  if (c.put_peers && threadIdx.x < W * E) nvshmem_quiet();
   __threadfence_system();
   __syncthreads();
   for (int p = threadIdx.x; p < W; p += blockDim.x) nvshmemx_signal_op(count_flags + me, epoch, NVSHMEM_SIGNAL_SET, p);
@@ -150,6 +191,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
   int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
   float* recv_weights = region<float>(a.workspace, a.layout.recv_weights);
   uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
+  __nv_bfloat16* stage_rows = region<__nv_bfloat16>(a.workspace, a.layout.stage_rows);  // by send row
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
 
   // This rank's padding rows (each local expert's range rounded up to row_align) get zeros: no
@@ -168,10 +210,10 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
   int32_t run_rows = 0;
   // Rows of a run are visible on their destination before the run is counted there; the
   // run that completes a (destination, expert) pair signals its arrival counter.
-  auto finish_run = [&]() {
+  auto finish_run = [&](bool puts) {
     if (run_rows == 0) return;
     publish_run(run_rows, &a.scratch.send_done[run_g], &a.send_counts[run_g], arrivals + run_g % E, 1,
-                NVSHMEM_SIGNAL_ADD, static_cast<int>(run_g / E), lane);
+                NVSHMEM_SIGNAL_ADD, static_cast<int>(run_g / E), lane, puts);
     run_rows = 0;
   };
   // The send rows are sorted by destination, so every warp takes its share of each destination's
@@ -179,6 +221,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
   // The rotated start spreads the warps' traffic over the peers.
   for (int step = 0; step < W; ++step) {
     const int dest = (me + 1 + warp + step) % W;
+    const PeerWriter to(a.workspace, dest, c);
     int32_t begin, end;
     warp_row_range(a.send_offsets[dest * E], a.send_offsets[(dest + 1) * E], &begin, &end);
     for (int32_t batch = begin; batch < end; batch += 32) {
@@ -201,19 +244,19 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
         const int32_t g = __shfl_sync(0xffffffffu, my_g, i);
         const int32_t pos = __shfl_sync(0xffffffffu, my_pos, i);
         if (g != run_g) {
-          finish_run();
+          finish_run(to.puts());
           run_g = g;
         }
-        copy_row(reinterpret_cast<uint4*>(on_peer(recv_rows + int64_t(pos) * H, dest)),
-                 reinterpret_cast<const uint4*>(x + int64_t(slot / K) * H), H / kVec, lane);
+        to.row(recv_rows + int64_t(pos) * H, x + int64_t(slot / K) * H, stage_rows + int64_t(batch + i) * H, H,
+               lane);
         if (lane == i) {
-          *on_peer(recv_meta + pos, dest) = static_cast<int32_t>(me * S + slot);
-          *on_peer(recv_weights + pos, dest) = my_weight;
+          to.value(recv_meta + pos, static_cast<int32_t>(me * S + slot));
+          to.value(recv_weights + pos, my_weight);
         }
         ++run_rows;
       }
     }
-    finish_run();
+    finish_run(to.puts());
   }
 }
 
@@ -228,12 +271,13 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
   const EpConfig& c = a.cfg;
   const int W = c.world, H = c.hidden, me = c.rank;
   const int lane = threadIdx.x % 32;
-  const int64_t S = c.max_slots();
+  const int32_t S = static_cast<int32_t>(c.max_slots());  // W * S receive rows fit int32
   const uint64_t epoch = *a.epoch;
   const int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
   __nv_bfloat16* combine_rows = region<__nv_bfloat16>(a.workspace, a.layout.combine_rows);
   float* combine_scalars = region<float>(a.workspace, a.layout.combine_scalars);
   uint64_t* combine_flags = region<uint64_t>(a.workspace, a.layout.combine_flags);
+  __nv_bfloat16* stage_rows = region<__nv_bfloat16>(a.workspace, a.layout.stage_rows);  // by receive row
   const __nv_bfloat16* rows_in = static_cast<const __nv_bfloat16*>(a.rows);
 
   if (blockIdx.x == 0) {
@@ -244,11 +288,12 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
   int32_t begin, end;
   warp_row_range(0, a.expert_offsets[c.local_experts], &begin, &end);
   int run_src = -1;  // source rank of the current run of rows
+  PeerWriter to(a.workspace, me, c);  // writes into run_src
   int32_t run_rows = 0;
   auto finish_run = [&]() {
     if (run_rows == 0) return;
     publish_run(run_rows, &a.scratch.combine_done[run_src], &a.scratch.recv_from[run_src], combine_flags + me, epoch,
-                NVSHMEM_SIGNAL_SET, run_src, lane);
+                NVSHMEM_SIGNAL_SET, run_src, lane, to.puts());
     run_rows = 0;
   };
   for (int32_t batch = begin; batch < end; batch += 32) {
@@ -259,15 +304,16 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
     for (int i = 0; i < rows; ++i) {
       const int32_t meta = __shfl_sync(0xffffffffu, my_meta, i);
       if (meta < 0) continue;  // padding row
-      const int src = static_cast<int>(meta / S);
+      const int src = meta / S;
       if (src != run_src) {
         finish_run();
         run_src = src;
+        to = PeerWriter(a.workspace, src, c);
       }
-      const int64_t slot = meta % S;
-      copy_row(reinterpret_cast<uint4*>(on_peer(combine_rows + slot * H, src)),
-               reinterpret_cast<const uint4*>(rows_in + int64_t(batch + i) * H), H / kVec, lane);
-      if (lane == i && a.row_scalars != nullptr) *on_peer(combine_scalars + slot, src) = my_scalar;
+      const int32_t slot = meta % S;
+      const int64_t row = batch + i;
+      to.row(combine_rows + int64_t(slot) * H, rows_in + row * H, stage_rows + row * H, H, lane);
+      if (lane == i && a.row_scalars != nullptr) to.value(combine_scalars + slot, my_scalar);
       ++run_rows;
     }
   }

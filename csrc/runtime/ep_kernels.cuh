@@ -1,6 +1,12 @@
-// Expert-parallel dispatch and combine over NVSHMEM (intra-node peers, by
-// load/store through nvshmem_ptr). Sync-free on the host; every device-side wait
-// times out into the error record instead of hanging.
+// Expert-parallel dispatch and combine over NVSHMEM. Sync-free on the host; every
+// device-side wait times out into the error record instead of hanging.
+//
+// Two transports, chosen per peer: a peer that nvshmem_ptr maps (same node, NVLink) is
+// written by plain stores; any other (another node), or every other rank under
+// cfg.force_put, by NVSHMEM RMA: nvshmemx_putmem_nbi_warp for rows, nvshmem_*_p for
+// scalars, nvshmem_quiet before a run is counted. NVSHMEM's remote transports read the
+// local source of a put only from symmetric (registered) memory, so such rows are first
+// copied into the workspace's stage_rows. Signals go through nvshmemx_signal_op either way.
 //
 // dispatch = notify (bump epoch, publish send counts, wait for everyone's, compute
 //            the receive layout and where this rank's rows go on each peer)

@@ -28,6 +28,8 @@ struct EpConfig {
   int32_t top_k;
   int32_t local_experts;
   int32_t row_align;  // each local expert's received rows start at a multiple of this
+  bool put_peers;     // some peer takes NVSHMEM puts (not reachable by load/store): the layout has stage_rows
+  bool force_put;     // every other rank takes puts, as if on another node (tests the put path on one node)
 
   PRIMEMOE_HOST_DEVICE int64_t max_slots() const { return int64_t(max_tokens) * top_k; }
   PRIMEMOE_HOST_DEVICE int64_t max_recv_rows() const { return int64_t(world) * max_slots() + int64_t(local_experts) * (row_align - 1); }
@@ -45,6 +47,9 @@ struct EpLayout {
   size_t combine_rows;     // bf16 [max_slots, H]: result row of each of my slots, pushed by its expert rank
   size_t combine_scalars;  // float [max_slots]: per-slot scalar pushed with it (d_topk_weights in backward)
   size_t scratch;          // int32 [4][W * E_local]: this rank's own bookkeeping (EpScratch), never read remotely
+  // bf16 [max_recv_rows, H], empty unless put_peers: the local source of the rows put to peers. Last, so
+  // the other offsets do not depend on put_peers.
+  size_t stage_rows;
   size_t total;
 };
 
@@ -69,6 +74,7 @@ inline EpLayout ep_layout(const EpConfig& c) {
   l.combine_rows = take(S * H * 2);
   l.combine_scalars = take(S * sizeof(float));
   l.scratch = take(4 * W * E * sizeof(int32_t));
+  l.stage_rows = take(c.put_peers ? R * H * 2 : 0);
   l.total = at;
   return l;
 }

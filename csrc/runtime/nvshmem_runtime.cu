@@ -43,4 +43,12 @@ bool nvshmem_all_peers_mapped(void* symmetric) {
   return true;
 }
 
+int nvshmem_peers_need_put() {
+  void* probe = nvshmem_malloc(16);
+  if (probe == nullptr) return -1;
+  const bool mapped = nvshmem_all_peers_mapped(probe);
+  nvshmem_free(probe);
+  return mapped ? 0 : 1;
+}
+
 }  // namespace primemoe

@@ -22,5 +22,8 @@ void* nvshmem_alloc_symmetric(size_t bytes);  // collective
 void nvshmem_free_symmetric(void* ptr);       // collective
 // True when every PE's copy of `symmetric` is reachable by load/store from this GPU.
 bool nvshmem_all_peers_mapped(void* symmetric);
+// Collective: 1 when some PE is not reachable by load/store from this GPU (another node: it takes
+// NVSHMEM puts), 0 when every PE is, -1 when the probe's small symmetric allocation failed.
+int nvshmem_peers_need_put();
 
 }  // namespace primemoe

@@ -9,6 +9,13 @@ finalised when the last one closes, so a job can create, destroy and recreate bu
 Freeing is collective (every rank of the group must call ``close()``), so an open
 Buffer is never left to the garbage collector: it stays alive until ``close()`` or
 interpreter exit.
+
+Transport, per peer: ranks that NVSHMEM maps into this GPU (same node, NVLink) are written
+by plain stores, the others (another node) by NVSHMEM puts from a staging region of the
+workspace, which exists only when some rank needs it. ``PRIMEMOE_EP_TRANSPORT``, read
+when a Buffer is created: ``auto`` (the default) or ``put``, which sends to every other
+rank by puts, as if it were on another node (on one node NVSHMEM still carries them over
+NVLink: it tests the put path).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import atexit
 import os
 import socket
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -26,7 +33,7 @@ import torch.distributed as dist
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from ._validate import check_precision
 
-__all__ = ["Buffer", "EpConfig", "buffer_config", "ep_layout", "ep_region", "nvshmem_environment"]
+__all__ = ["Buffer", "EpConfig", "buffer_config", "ep_layout", "ep_region", "ep_transport", "nvshmem_environment"]
 
 lib = torch.ops.primemoe
 
@@ -34,6 +41,7 @@ lib = torch.ops.primemoe
 SYMMETRIC_HEAP_MARGIN = 256 << 20
 _INT32_MAX = 2 ** 31 - 1
 MAX_EXPERTS = 1024  # kLayoutMaxLocalExperts of csrc/kernels/dispatch_layout.cuh (the send-side layout spans all experts)
+EP_TRANSPORTS = ("auto", "put")
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class EpConfig:
     top_k: int
     local_experts: int
     row_align: int
+    put_peers: bool  # some rank sends by NVSHMEM puts: the workspace has the staging region
 
     @property
     def max_slots(self) -> int:
@@ -73,8 +82,10 @@ def ep_layout(config: EpConfig) -> Tuple[Dict[str, Tuple[int, torch.dtype, Tuple
         ("combine_rows", torch.bfloat16, (S, H)),
         ("combine_scalars", torch.float32, (S,)),
         ("scratch", torch.int32, (4, W * E)),
+        ("stage_rows", torch.bfloat16, (R if config.put_peers else 0, H)),
     )
-    *offsets, total = lib.ep_workspace_layout(W, config.max_tokens, H, config.top_k, E, config.row_align)
+    *offsets, total = lib.ep_workspace_layout(W, config.max_tokens, H, config.top_k, E, config.row_align,
+                                              config.put_peers)
     if len(offsets) != len(regions):
         raise RuntimeError(f"workspace layout: the extension names {len(offsets)} regions, this module "
                            f"{len(regions)}; python/ and the built extension are out of step")
@@ -83,9 +94,9 @@ def ep_layout(config: EpConfig) -> Tuple[Dict[str, Tuple[int, torch.dtype, Tuple
 
 
 def ep_region(workspace: torch.Tensor, name: str, world: int, max_tokens: int, hidden: int, top_k: int,
-              local_experts: int, row_align: int) -> torch.Tensor:
+              local_experts: int, row_align: int, put_peers: bool) -> torch.Tensor:
     """The region ``name`` of a workspace (uint8 tensor) as a typed view with its shape."""
-    layout, total = ep_layout(EpConfig(world, max_tokens, hidden, top_k, local_experts, row_align))
+    layout, total = ep_layout(EpConfig(world, max_tokens, hidden, top_k, local_experts, row_align, put_peers))
     if name not in layout:
         raise KeyError(f"ep_region: unknown region {name!r}; expected one of {list(layout)}")
     if workspace.dtype != torch.uint8 or workspace.dim() != 1 or workspace.numel() < total:
@@ -96,6 +107,14 @@ def ep_region(workspace: torch.Tensor, name: str, world: int, max_tokens: int, h
     for n in shape:
         numel *= n
     return workspace[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)
+
+
+def ep_transport(env: Mapping[str, str]) -> str:
+    """``PRIMEMOE_EP_TRANSPORT`` from ``env``: ``auto`` (unset) or ``put`` (see the module docstring)."""
+    value = env.get("PRIMEMOE_EP_TRANSPORT", "auto")
+    if value not in EP_TRANSPORTS:
+        raise ValueError(f"PRIMEMOE_EP_TRANSPORT: expected one of {list(EP_TRANSPORTS)}, got {value!r}")
+    return value
 
 
 def nvshmem_environment(env: Mapping[str, str], hostnames: Sequence[str],
@@ -123,7 +142,8 @@ def nvshmem_environment(env: Mapping[str, str], hostnames: Sequence[str],
 
 def buffer_config(world: int, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
                   row_align, num_sms) -> EpConfig:
-    """Checks the sizes of a Buffer (clear errors naming the argument) and returns its layout config."""
+    """Checks the sizes of a Buffer (clear errors naming the argument) and returns its layout config,
+    without the staging region (whether some rank needs puts is known once NVSHMEM is up)."""
     sizes = dict(max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, intermediate=intermediate,
                  num_experts=num_experts, top_k=top_k, row_align=row_align, num_sms=num_sms)
     for name, value in sizes.items():
@@ -141,7 +161,7 @@ def buffer_config(world: int, *, max_tokens_per_rank, hidden, intermediate, num_
     if num_experts % world:
         raise ValueError(f"num_experts: {num_experts} experts cannot be split evenly over the group's "
                          f"{world} ranks (expected a multiple of {world})")
-    config = EpConfig(world, max_tokens_per_rank, hidden, top_k, num_experts // world, row_align)
+    config = EpConfig(world, max_tokens_per_rank, hidden, top_k, num_experts // world, row_align, put_peers=False)
     # recv_meta holds src_rank * max_slots + slot in int32.
     if config.max_recv_rows > _INT32_MAX:
         raise ValueError(f"max_tokens_per_rank: {world} ranks x {max_tokens_per_rank} tokens x top_k {top_k} "
@@ -166,10 +186,20 @@ def _close_all_at_exit():
 atexit.register(_close_all_at_exit)
 
 
-def _start_nvshmem(group, rank: int, world: int, device: int, workspace_bytes: int) -> None:
+def _on_any_rank(group, flag: bool) -> bool:
+    flags: List[Optional[bool]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, flag, group=group)
+    return any(flags)
+
+
+def _start_nvshmem(group, rank: int, world: int, device: int, config: EpConfig, force_put: bool) -> None:
     global _bootstrap
     hostnames: List[Optional[str]] = [None] * world
     dist.all_gather_object(hostnames, socket.gethostname(), group=group)
+    # The heap is sized now, before the peers can be probed: with room for the staging region
+    # wherever puts may be needed.
+    may_put = _on_any_rank(group, force_put) or len(set(hostnames)) > 1
+    _, workspace_bytes = ep_layout(replace(config, put_peers=may_put))
     user_env = {k: v for k, v in os.environ.items() if _env_set_here.get(k) != v}
     updates, warns = nvshmem_environment(user_env, hostnames, workspace_bytes)
     for message in warns:
@@ -196,6 +226,8 @@ class Buffer:
     are zero); the expert GEMM engine needs a multiple of 128 (the default), else the
     experts run on ``torch._grouped_mm``.
     ``num_sms``: SMs the dispatch/combine kernels use.
+    ``put_peers``: some rank sends by NVSHMEM puts (another node, or ``PRIMEMOE_EP_TRANSPORT=put``),
+    so the workspace has the staging region; ``force_put``: this rank sends to every other by puts.
     """
 
     def __init__(self, group, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
@@ -203,6 +235,7 @@ class Buffer:
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
         check_precision(precision)
+        force_put = ep_transport(os.environ) == "put"
         world = dist.get_world_size(group)
         config = buffer_config(world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
                                intermediate=intermediate, num_experts=num_experts, top_k=top_k,
@@ -223,7 +256,7 @@ class Buffer:
         self.row_align = row_align
         self.num_sms = num_sms
         self.device = torch.device("cuda", torch.cuda.current_device())
-        layout, self.nbytes = ep_layout(config)
+        self.force_put = force_put
 
         ranks = tuple(dist.get_process_group_ranks(group))
         if _bootstrap is not None and _bootstrap != (ranks, self.device.index):
@@ -232,21 +265,25 @@ class Buffer:
                 f"cuda:{_bootstrap[1]} and keeps that bootstrap for the life of the process; every Buffer "
                 f"must use the same group and device (got ranks {list(ranks)} on {self.device})")
         if not _open_buffers:
-            _start_nvshmem(group, self.rank, world, self.device.index, self.nbytes)
+            _start_nvshmem(group, self.rank, world, self.device.index, config, force_put)
         try:
             with torch.cuda.device(self.device):
+                # Probed on every rank (collective) and agreed on, so the workspace has one size everywhere.
+                self.put_peers = _on_any_rank(group, lib.nvshmem_peers_need_put() or force_put)
+                config = replace(config, put_peers=self.put_peers)
+                layout, self.nbytes = ep_layout(config)
                 self.workspace = lib.ep_workspace_alloc(self.nbytes)
         except RuntimeError as error:
             if not _open_buffers:
                 lib.nvshmem_finalize()
             raise RuntimeError(
-                f"primemoe.Buffer: could not allocate the {self.nbytes}-byte symmetric workspace "
+                f"primemoe.Buffer: could not allocate the symmetric workspace "
                 f"(NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE')!r} must hold every open "
                 f"Buffer's workspace): {error}") from error
         # Bumped on the device by every dispatch and never reset: the flags in the workspace compare against it.
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._regions = {name: ep_region(self.workspace, name, world, max_tokens_per_rank, hidden, top_k,
-                                         config.local_experts, row_align) for name in layout}
+                                         config.local_experts, row_align, self.put_peers) for name in layout}
         _open_buffers.append(self)
 
     @property
@@ -265,7 +302,8 @@ class Buffer:
         not wait for the other ranks' rows; the consumer waits per expert on ``rows_ready()``."""
         self._check_open()
         return lib.ep_dispatch(self.workspace, self.epoch, x, topk_idx, topk_weights, self.rank, self.world,
-                               self.max_tokens_per_rank, self.local_experts, self.row_align, self.num_sms, wait)
+                               self.max_tokens_per_rank, self.local_experts, self.row_align, self.num_sms, wait,
+                               self.put_peers, self.force_put)
 
     def rows_ready(self):
         """The GEMM wait hook for the last dispatch: ``(counters, epoch, per_epoch, rank)``; local expert
@@ -280,7 +318,7 @@ class Buffer:
         self._check_open()
         lib.ep_combine(self.workspace, self.epoch, rows, row_scalars, expert_offsets, self.rank, self.world,
                        self.max_tokens_per_rank, self.hidden, self.top_k, self.local_experts, self.row_align,
-                       self.num_sms)
+                       self.num_sms, self.put_peers, self.force_put)
 
     def close(self) -> None:
         """Frees the workspace, and NVSHMEM with the last open Buffer (collective). Idempotent."""

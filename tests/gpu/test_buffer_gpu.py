@@ -4,7 +4,11 @@ processes (tests/buffer_ranks.py) and this process checks what they saved.
 One rank: moe(buffer=) against the fp64 reference; create, close, recreate, atexit.
 Two ranks: ep_dispatch payload exactness (receive layout, meta, weights) and the combine
 echo; moe(buffer=) against the single-process reference of the gathered problem;
-bitwise repeat; two layers sharing one buffer; CUDA-graph replay; a 2,000-iteration soak."""
+bitwise repeat; two layers sharing one buffer; CUDA-graph replay; a 2,000-iteration soak.
+The put transport (PRIMEMOE_EP_TRANSPORT=put, the inter-node path forced on one node) runs
+the dispatch/combine cases once and one moe case with the repeat, layer and graph checks."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from helpers import OUTPUT_NAMES, Outputs, Problem, assert_moe_outputs_match, ma
 from naive import composite
 
 import primemoe
+from primemoe.buffer import buffer_config, ep_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -23,8 +28,8 @@ MULTICAST_OFF = dict(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_
 SHAPE = (256, 256, 8, 2)  # H, I, E (E_local = 4 per rank at W=2), K: sizes the expert GEMM engine covers
 
 
-def run_ranks(tmp_path, monkeypatch, fn, world, *args, timeout_s=600):
-    prepare_spawn(monkeypatch, **MULTICAST_OFF)
+def run_ranks(tmp_path, monkeypatch, fn, world, *args, timeout_s=600, transport="auto"):
+    prepare_spawn(monkeypatch, PRIMEMOE_EP_TRANSPORT=transport, **MULTICAST_OFF)
     spawn_ranks(fn, world, *args, str(tmp_path), timeout_s=timeout_s)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -130,21 +135,38 @@ def expected_receive(inputs, rank, row_align):
                 recv_rows=torch.cat(rows), recv_meta=torch.cat(meta), recv_weights=torch.cat(weights))
 
 
-@pytest.fixture(scope="module", params=[1, 128], ids=["row_align1", "row_align128"])
+@pytest.fixture(scope="module", params=[(1, "auto"), (128, "auto"), (128, "put")],
+                ids=["row_align1", "row_align128", "row_align128_put"])
 def dispatch_results(tmp_path_factory, request):
+    row_align, transport = request.param
     tmp_path = tmp_path_factory.mktemp("ep_dispatch")
     cases_path = tmp_path / "cases.pt"
-    sizes = dict(DISPATCH_SIZES, row_align=request.param)
+    sizes = dict(DISPATCH_SIZES, row_align=row_align)
     torch.save({"sizes": sizes, "cases": {name: {"inputs": inputs} for name, inputs in DISPATCH_CASES.items()}},
                cases_path)
     with pytest.MonkeyPatch.context() as monkeypatch:
-        return request.param, run_ranks(tmp_path, monkeypatch, dispatch_cases, WORLD, str(cases_path))
+        results = run_ranks(tmp_path, monkeypatch, dispatch_cases, WORLD, str(cases_path), transport=transport)
+    return row_align, transport, results
+
+
+@pytest.mark.multigpu
+def test_only_the_put_transport_adds_the_staging_region(dispatch_results):
+    """Both GPUs are on one node, so only forcing puts gives the workspace its staging region."""
+    row_align, transport, results = dispatch_results
+    config = buffer_config(WORLD, **DISPATCH_SIZES, row_align=row_align, num_sms=24)
+    _, stores_bytes = ep_layout(config)
+    _, puts_bytes = ep_layout(replace(config, put_peers=True))
+    assert puts_bytes > stores_bytes
+    put = transport == "put"
+    for rank in range(WORLD):
+        assert results[rank]["workspace"] == dict(nbytes=puts_bytes if put else stores_bytes, put_peers=put), \
+            f"rank {rank}"
 
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("case", DISPATCH_CASES)
 def test_dispatch_places_every_row_exactly(dispatch_results, case):
-    row_align, results = dispatch_results
+    row_align, _, results = dispatch_results
     inputs = DISPATCH_CASES[case]
     E = DISPATCH_SIZES["num_experts"]
     for rank in range(WORLD):
@@ -163,7 +185,7 @@ def test_dispatch_places_every_row_exactly(dispatch_results, case):
 @pytest.mark.parametrize("case", DISPATCH_CASES)
 def test_combine_returns_every_row_to_its_slot(dispatch_results, case):
     K = DISPATCH_SIZES["top_k"]
-    _, results = dispatch_results
+    _, _, results = dispatch_results
     for rank in range(WORLD):
         got = results[rank][case]
         x, topk_idx, topk_weights = DISPATCH_CASES[case][rank]
@@ -175,7 +197,7 @@ def test_combine_returns_every_row_to_its_slot(dispatch_results, case):
 
 @pytest.mark.multigpu
 def test_dispatch_reports_bad_ids_of_the_sending_rank(dispatch_results):
-    _, results = dispatch_results
+    _, _, results = dispatch_results
     for name in DISPATCH_CASES:
         if name != "bad_ids":
             assert results[0][name]["error"] is None and results[1][name]["error"] is None, name
@@ -193,6 +215,7 @@ MOE_CASES = {
 }
 GRAPH_TOKENS = (256, 100)
 GRAPH_REPLAYS = [(7, "uniform"), (8, "skewed"), (9, "masked"), (10, "one_expert")]
+PUT_MOE_CASE = "skewed"  # the largest case
 
 
 def moe_problem(tokens_per_rank, routing, seed, **kwargs):
@@ -200,52 +223,71 @@ def moe_problem(tokens_per_rank, routing, seed, **kwargs):
                 tokens_per_rank=tokens_per_rank)
 
 
-@pytest.fixture(scope="module")
-def moe_results(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("ep_moe")
-    cases = {name: moe_problem(seed=13 + i, **case) for i, (name, case) in enumerate(MOE_CASES.items())}
+def run_moe_cases(tmp_path_factory, transport, names, repeat, layered, graph_replays):
+    """``moe_cases`` on the cases ``names`` of MOE_CASES through one Buffer per rank."""
+    tmp_path = tmp_path_factory.mktemp(f"ep_moe_{transport}")
+    cases = {name: moe_problem(seed=13 + i, **case) for i, (name, case) in enumerate(MOE_CASES.items())
+             if name in names}
     data = dict(
-        cases=cases, repeat="different_T_masked", layered=("different_T", "skewed"),
+        cases=cases, repeat=repeat, layered=layered,
         graph=dict(static=moe_problem(GRAPH_TOKENS, "uniform", seed=6),
-                   replays=[moe_problem(GRAPH_TOKENS, routing, seed) for seed, routing in GRAPH_REPLAYS]),
+                   replays=[moe_problem(GRAPH_TOKENS, routing, seed) for seed, routing in graph_replays]),
         sizes=buffer_sizes(make_problem(1, *SHAPE), WORLD, max(max(c["tokens_per_rank"]) for c in MOE_CASES.values())))
     cases_path = tmp_path / "cases.pt"
     torch.save(data, cases_path)
     with pytest.MonkeyPatch.context() as monkeypatch:
-        per_rank = run_ranks(tmp_path, monkeypatch, moe_cases, WORLD, str(cases_path))
+        per_rank = run_ranks(tmp_path, monkeypatch, moe_cases, WORLD, str(cases_path), transport=transport)
     return data, per_rank
 
 
+@pytest.fixture(scope="module")
+def moe_results(tmp_path_factory):
+    return run_moe_cases(tmp_path_factory, "auto", list(MOE_CASES), repeat="different_T_masked",
+                         layered=("different_T", "skewed"), graph_replays=GRAPH_REPLAYS)
+
+
+@pytest.fixture(scope="module")
+def moe_put_results(tmp_path_factory):
+    """The put transport on one case: the case, its repeat, two layers of it, one graph replay."""
+    return run_moe_cases(tmp_path_factory, "put", [PUT_MOE_CASE], repeat=PUT_MOE_CASE,
+                         layered=(PUT_MOE_CASE, PUT_MOE_CASE), graph_replays=GRAPH_REPLAYS[:1])
+
+
+@pytest.fixture(params=["auto", "put"])
+def moe_runs(request):
+    return request.getfixturevalue("moe_results" if request.param == "auto" else "moe_put_results")
+
+
 @pytest.mark.multigpu
-@pytest.mark.parametrize("case", MOE_CASES)
-def test_moe_with_buffer_matches_reference(moe_results, case):
-    data, per_rank = moe_results
+@pytest.mark.parametrize("transport, case", [("auto", name) for name in MOE_CASES] + [("put", PUT_MOE_CASE)])
+def test_moe_with_buffer_matches_reference(request, transport, case):
+    data, per_rank = request.getfixturevalue("moe_results" if transport == "auto" else "moe_put_results")
     for rank, tokens in enumerate(data["cases"][case]["tokens_per_rank"]):
         assert per_rank[rank][case]["y"].shape[0] == tokens, f"rank {rank}: y has the wrong number of tokens"
     check_against_reference(stitch([r[case] for r in per_rank]), Problem(**data["cases"][case]["problem"]))
 
 
 @pytest.mark.multigpu
-def test_moe_with_buffer_repeats_bitwise(moe_results):
-    data, per_rank = moe_results
+def test_moe_with_buffer_repeats_bitwise(moe_runs):
+    data, per_rank = moe_runs
     for rank, results in enumerate(per_rank):
         assert_equal(results["repeat"], results[data["repeat"]], f"rank {rank}: a repeated call")
 
 
 @pytest.mark.multigpu
-def test_layers_sharing_a_buffer(moe_results):
+def test_layers_sharing_a_buffer(moe_runs):
     """Both forwards, then one backward through both: the same bits as each layer alone."""
-    data, per_rank = moe_results
+    data, per_rank = moe_runs
     for rank, results in enumerate(per_rank):
         for layer, name in zip(results["layered"], data["layered"]):
             assert_equal(layer, results[name], f"rank {rank}: layer {name} run next to another layer")
 
 
 @pytest.mark.multigpu
-def test_cuda_graph_replay_matches_eager(moe_results):
-    _, per_rank = moe_results
+def test_cuda_graph_replay_matches_eager(moe_runs):
+    data, per_rank = moe_runs
     for rank, results in enumerate(per_rank):
-        assert len(results["graph"]) == len(GRAPH_REPLAYS)
+        assert len(results["graph"]) == len(data["graph"]["replays"])
         for (seed, routing), (replayed, eager) in zip(GRAPH_REPLAYS, results["graph"]):
             assert_equal(replayed, eager, f"rank {rank}: graph replay ({routing}, seed {seed}) vs eager")
 
