@@ -709,7 +709,6 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cuda(const at::Tensor& x, c
   g.num_rows = rows;
   g.a_row_src = row_to_slot.data_ptr<int32_t>();
   g.a_src_div = static_cast<int32_t>(top_k);
-  g.a_src_rows = x.size(0);
   g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
   run_gemm(g, x, "fc1_swiglu_gather");
   return {a, h};

@@ -29,8 +29,7 @@ EncodeTiled encode_tiled() {
 
 // A 3-D bf16 tensor (inner, outer, layer), inner contiguous, moved in 128-byte swizzled boxes of
 // 64 inner elements by box_rows outer rows: 128 for K-major operands, 64 for MN-major ones and the
-// epilogue's stores, 1 for gathered rows (TMA swizzles by shared-memory address, so row-by-row
-// loads land in the same layout as one 128-row box).
+// epilogue's stores.
 cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, uint64_t layers,
                      uint32_t box_rows) {
   EncodeTiled encode = encode_tiled();
@@ -78,9 +77,8 @@ bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, in
 
 bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
   if (!shape_supported(a.schedule, a.epilogue, a.m, a.n, a.k, device, why)) return false;
-  if (a.a_row_src != nullptr && (a.schedule != GemmSchedule::kRows || a.a_src_div < 1 || a.a_src_rows < 1 ||
-                                 a.a_src_rows >= (int64_t(1) << 31))) {
-    if (why != nullptr) *why = "a gathered A operand needs the rows schedule and 1 <= its rows < 2^31";
+  if (a.a_row_src != nullptr && (a.schedule != GemmSchedule::kRows || a.a_src_div < 1)) {
+    if (why != nullptr) *why = "a gathered A operand needs the rows schedule and a positive row divisor";
     return false;
   }
   if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out) || !aligned16(a.out_h) || !aligned16(a.in_h) ||
@@ -113,8 +111,8 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   cudaError_t err;
   if (a.schedule == GemmSchedule::kRows) {
     const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
-    err = a.a_row_src != nullptr ? make_map(&params.tma_a, a.a, a.k, uint64_t(a.a_src_rows), 1, 1)
-                                 : make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
+    // A gathered A operand is copied by the producer's threads, not by TMA.
+    err = a.a_row_src != nullptr ? cudaSuccess : make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
     if (err == cudaSuccess) {
       err = a.b_k_major ? make_map(&params.tma_b, a.b, a.k, b_rows, experts, 128)
                         : make_map(&params.tma_b, a.b, b_rows, a.k, experts, 64);

@@ -58,10 +58,9 @@ struct GroupedGemmArgs {
   const int32_t* expert_offsets;  // [E + 1], multiples of kGemmRowAlign
   void* out;                      // kRows: [num_rows, n]; kExperts: [E, m, n]; bf16 (kSwiGLUBackward: aw)
   // kRows, optional: the gather of routed tokens fused into the A load. Row r of A is then row
-  // a_row_src[r] / a_src_div of `a` ([a_src_rows, k]: the tokens), or zeros where a_row_src[r] < 0.
+  // a_row_src[r] / a_src_div of `a` (the tokens, [*, k]), or zeros where a_row_src[r] < 0.
   const int32_t* a_row_src;
   int32_t a_src_div;
-  int64_t a_src_rows;
   // kSwiGLU: out_h = [num_rows, 2n] pre-activations or null.
   // kRows + kStore: row_weight [num_rows] fp32 or null; out row r is scaled by row_weight[r] (FC2's
   //   routing weight, so the combine only sums).

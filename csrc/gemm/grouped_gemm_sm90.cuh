@@ -1,8 +1,9 @@
 // Device template of the expert-grouped GEMM family for sm_90a (see grouped_gemm.cuh).
 //
-// One CTA per SM, persistent. Warpgroup 0 is the producer: one thread (one warp when the
-// A rows are gathered from the tokens) walks the tile sequence and issues TMA loads into a
-// kStages-deep ring guarded by mbarriers.
+// One CTA per SM, persistent. Warpgroup 0 is the producer: one thread walks the tile
+// sequence and issues TMA loads into a kStages-deep ring guarded by mbarriers; when the A
+// rows are gathered from the tokens, all 128 threads of the warpgroup copy them (one row
+// each, cp.async into the swizzled layout), because TMA has no row gather on sm_90.
 // Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128 x 256 tile as two
 // 64 x 128 fp32 accumulators (the two halves of the tile's columns: for FC1 the gate
 // and the up projection of the same activation columns, so SwiGLU needs no shuffle),
@@ -14,9 +15,6 @@
 
 #include <cuda.h>
 #include <cuda_bf16.h>
-
-#include <algorithm>
-#include <atomic>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -36,6 +34,7 @@ constexpr int kStages = 3;
 constexpr int kThreads = 384;
 constexpr int kSubTileElems = 128 * kGemmTileK;  // one 128 x 64 operand tile, 16 KiB
 constexpr uint32_t kStageBytes = 3 * kSubTileElems * 2;
+constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of a stage
 
 struct SharedStorage {
   bfloat16_t a[kStages * kSubTileElems];
@@ -76,37 +75,26 @@ __device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* bar, 
       : "memory");
 }
 
-// The same box into the same shared-memory offset of every CTA in `ctas` (a cluster mask), each
-// CTA's barrier at `bar`'s offset counting its bytes.
-__device__ __forceinline__ void tma_load_multicast(const CUtensorMap* map, uint64_t* bar, void* dst, int32_t c0,
-                                                   int32_t c1, int32_t c2, uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4, %5}], [%2], %6;"
-      :
-      : "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(ctas)
-      : "memory");
+// 16 bytes into shared memory, or 16 zero bytes when `bytes` is 0 (src is then not read).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 
-__device__ __forceinline__ void tma_box(const CUtensorMap* map, uint64_t* bar, void* dst, int32_t c0, int32_t c1,
-                                        int32_t c2, uint16_t ctas) {
-  if (ctas != 0) {
-    tma_load_multicast(map, bar, dst, c0, c1, c2, ctas);
-  } else {
-    tma_load(map, bar, dst, c0, c1, c2);
-  }
+// One arrival on `bar` once this thread's earlier cp.async copies have landed (counted in the
+// barrier's expected arrivals).
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// Loads one 128 x 64 operand tile: rows/cols [mn0, mn0 + 128) x [k0, k0 + 64) of layer l, into
-// this CTA only (ctas == 0) or multicast to the CTAs in `ctas`.
+// Loads one 128 x 64 operand tile: rows/cols [mn0, mn0 + 128) x [k0, k0 + 64) of layer l.
 template <bool KMajor>
 __device__ __forceinline__ void load_tile(const CUtensorMap* map, uint64_t* bar, bfloat16_t* dst, int32_t mn0,
-                                          int32_t k0, int32_t l, uint16_t ctas = 0) {
+                                          int32_t k0, int32_t l) {
   if constexpr (KMajor) {
-    tma_box(map, bar, dst, k0, mn0, l, ctas);
+    tma_load(map, bar, dst, k0, mn0, l);
   } else {
-    tma_box(map, bar, dst, mn0, k0, l, ctas);
-    tma_box(map, bar, dst + kSubTileElems / 2, mn0 + 64, k0, l, ctas);
+    tma_load(map, bar, dst, mn0, k0, l);
+    tma_load(map, bar, dst + kSubTileElems / 2, mn0 + 64, k0, l);
   }
 }
 
@@ -158,29 +146,18 @@ struct Tile {
   int32_t n_tile;   // column tile index
   int32_t k_begin;  // first K element (kExperts: first row of the expert)
   int32_t k_tiles;
-  bool routed;      // false: the tile only keeps its cluster partner company, and stores zeros
-  bool multicast;   // kRows: both CTAs of the cluster use the same weight tile, each loads half of it
 };
 
-// kRows runs on 2-CTA clusters: a unit of work is two vertically adjacent 128-row blocks at one
-// column tile, one per CTA. When both blocks belong to one expert (most of the time: experts are
-// 128-row aligned), each CTA loads half of the weight tile and multicasts it to both, which cuts
-// the L2 -> SM traffic per k-step from 48 KiB to 32 KiB.
-template <GemmSchedule S>
-constexpr int kClusterSize = S == GemmSchedule::kRows ? 2 : 1;
-
-// The unit sequence, identical for producer and consumers, and in step across a cluster (both CTAs
-// walk the same units, with the same k-steps). kRows: (row block pair, column tile), row blocks in
-// order, so a CTA's experts only move forward. kExperts: (expert, row tile, column tile), so
-// neighbouring CTAs share an expert's operands in L2.
+// The tile sequence, identical for producer and consumers. kRows: (row block, column
+// tile), row blocks in order, so a CTA's experts only move forward. kExperts:
+// (expert, row tile, column tile), so neighbouring CTAs share an expert's operands in L2.
 template <GemmSchedule S, GemmEpilogue E>
 struct TileWalker {
   const GroupedGemmArgs& args;
   int32_t n_tiles;
   int32_t m_tiles;
-  int64_t total;  // units
+  int64_t total;
   int32_t routed_rows = 0;
-  int32_t rank = 0;  // in the cluster
   int32_t expert = 0;
 
   __device__ explicit TileWalker(const GroupedGemmArgs& a) : args(a) {
@@ -190,40 +167,28 @@ struct TileWalker {
       // output element is left undefined.
       m_tiles = 0;
       routed_rows = a.expert_offsets[a.num_experts];
-      const int64_t row_blocks = (a.num_rows + kGemmRowAlign - 1) / kGemmRowAlign;
-      total = (row_blocks + 1) / 2 * n_tiles;
-      rank = int32_t(cute::block_rank_in_cluster());
+      total = (a.num_rows + kGemmRowAlign - 1) / kGemmRowAlign * n_tiles;
     } else {
       m_tiles = a.m / 128;
       total = int64_t(a.num_experts) * m_tiles * n_tiles;
     }
   }
 
-  __device__ Tile at(int64_t u) {
+  __device__ Tile at(int64_t t) {
+    Tile tile;
     if constexpr (S == GemmSchedule::kRows) {
-      const int32_t row_a = int32_t(u / n_tiles) * 2 * kGemmRowAlign;
-      const int32_t row_b = row_a + kGemmRowAlign;
-      const int32_t m0 = rank == 0 ? row_a : row_b;
-      const int32_t n_tile = int32_t(u % n_tiles);
-      if (row_a >= routed_rows) return {args.num_experts, m0, n_tile, 0, 0, false, false};
-      while (args.expert_offsets[expert + 1] <= row_a) ++expert;
-      const bool routed_b = row_b < routed_rows;
-      int32_t expert_b = expert;
-      if (routed_b) {
-        while (args.expert_offsets[expert_b + 1] <= row_b) ++expert_b;
-      }
-      // Past the routed rows, the second CTA runs its partner's k-steps on its partner's weights
-      // (so their stages stay in step) and stores zeros.
-      const int32_t e = rank == 1 && routed_b ? expert_b : expert;
-      return {e, m0, n_tile, 0, args.k / kGemmTileK, rank == 0 || routed_b, !routed_b || expert_b == expert};
+      const int32_t row0 = int32_t(t / n_tiles) * kGemmRowAlign;
+      if (row0 >= routed_rows) return {args.num_experts, row0, int32_t(t % n_tiles), 0, 0};
+      while (args.expert_offsets[expert + 1] <= row0) ++expert;
+      tile = {expert, row0, int32_t(t % n_tiles), 0, args.k / kGemmTileK};
     } else {
       const int64_t per_expert = int64_t(m_tiles) * n_tiles;
-      const int32_t e = int32_t(u / per_expert);
-      const int32_t r = int32_t(u % per_expert);
+      const int32_t e = int32_t(t / per_expert);
+      const int32_t r = int32_t(t % per_expert);
       const int32_t begin = args.expert_offsets[e];
-      return {e, (r / n_tiles) * 128, r % n_tiles, begin, (args.expert_offsets[e + 1] - begin) / kGemmTileK, true,
-              false};
+      tile = {e, (r / n_tiles) * 128, r % n_tiles, begin, (args.expert_offsets[e + 1] - begin) / kGemmTileK};
     }
+    return tile;
   }
 };
 
@@ -239,79 +204,58 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   extern __shared__ uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
-  constexpr int kCluster = kClusterSize<S>;
   const int warpgroup = threadIdx.x / 128;
+  const bool gather = S == GemmSchedule::kRows && args.a_row_src != nullptr;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], 1);
-      // One arrival per consumer warp of every CTA in the cluster: a stage is refilled (possibly
-      // by the partner's multicast) only once both CTAs are done with it.
-      cutlass::arch::ClusterBarrier::init(&smem.empty[s], 8 * kCluster);
+      // The TMA thread's arrival, plus one per gathering thread.
+      cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], gather ? 129 : 1);
+      cutlass::arch::ClusterBarrier::init(&smem.empty[s], 8);  // one arrival per consumer warp
     }
     cutlass::arch::fence_barrier_init();
   }
-  if constexpr (kCluster > 1) {
-    cute::cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   TileWalker<S, E> walker(args);
-  const int64_t first_unit = blockIdx.x / kCluster;
-  const int64_t unit_stride = gridDim.x / kCluster;
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    // One thread issues the loads; with a gathered A operand its whole warp does, each lane
-    // loading 4 of the tile's 128 rows one by one.
-    const bool gather = S == GemmSchedule::kRows && args.a_row_src != nullptr;
-    const int lane = threadIdx.x;
-    if (threadIdx.x >= (gather ? 32 : 1)) return;
-    const uint32_t warp_mask = gather ? 0xffffffffu : 1u;
-    if (lane == 0) {
-      asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_a) : "memory");
+    const int ptid = threadIdx.x;
+    if (ptid >= (gather ? 128 : 1)) return;
+    if (ptid == 0) {
+      if (!gather) asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_a) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_b) : "memory");
     }
+    const auto* tokens = static_cast<const __nv_bfloat16*>(args.a);
     int stage = 0;
     uint32_t phase = 0;
     int32_t ready_expert = -1;
-    for (int64_t u = first_unit; u < walker.total; u += unit_stride) {
-      const Tile tile = walker.at(u);
-      if (S == GemmSchedule::kRows && args.hook.counters != nullptr && tile.routed && tile.k_tiles > 0 &&
+    for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
+      const Tile tile = walker.at(t);
+      if (S == GemmSchedule::kRows && args.hook.counters != nullptr && tile.k_tiles > 0 &&
           tile.expert != ready_expert) {
-        if (lane == 0) {
+        if (ptid == 0) {
           const uint64_t target = uint64_t(*args.hook.epoch) * args.hook.per_epoch;
           wait_at_least(args.hook.counters + tile.expert, target, args.hook.timeout_ns, args.error, args.hook.rank,
                         -1, tile.expert, kWaitGemmRows);
         }
-        __syncwarp(warp_mask);
+        if (gather) asm volatile("bar.sync 3, 128;" ::: "memory");
         asm volatile("fence.proxy.async.global;" ::: "memory");
         ready_expert = tile.expert;
       }
-      // Gathered A: the source row of each of this lane's rows; padding rows point past the
-      // tokens, where TMA fills zeros.
-      int32_t src_row[4];
+      // Gathered A: this thread's row of the tile (null: a padding row, filled with zeros).
+      const __nv_bfloat16* src_row = nullptr;
       if (gather && tile.k_tiles > 0) {
-        CUTE_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          const int32_t slot = tile.routed ? args.a_row_src[tile.m0 + lane + 32 * j] : -1;
-          src_row[j] = slot >= 0 ? slot / args.a_src_div : int32_t(args.a_src_rows);
-        }
+        const int32_t slot = args.a_row_src[tile.m0 + ptid];
+        if (slot >= 0) src_row = tokens + int64_t(slot / args.a_src_div) * args.k;
       }
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         uint64_t* bar = &smem.full[stage];
-        if (lane == 0) {
-          cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], phase ^ 1);
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBytes);
-        }
-        __syncwarp(warp_mask);
+        cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], phase ^ 1);
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
         bfloat16_t* sa = smem.a + stage * kSubTileElems;
-        if (gather) {
-          CUTE_UNROLL
-          for (int j = 0; j < 4; ++j) tma_load(&p.tma_a, bar, sa + (lane + 32 * j) * kGemmTileK, k0, src_row[j], 0);
-        }
-        if (lane == 0) {
+        if (ptid == 0) {
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, gather ? kStageBBytes : kStageBytes);
           if constexpr (S == GemmSchedule::kRows) {
             if (!gather) load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
           } else {
@@ -320,32 +264,31 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           for (int j = 0; j < 2; ++j) {
             bfloat16_t* sb = smem.b[j] + stage * kSubTileElems;
             if constexpr (S == GemmSchedule::kRows) {
-              // Multicast: CTA j loads half j for both.
-              if (tile.multicast && j != walker.rank) continue;
               const int32_t n0 = E == GemmEpilogue::kSwiGLU ? tile.n_tile * 128 + j * args.n
                                                             : tile.n_tile * kGemmTileN + j * 128;
-              load_tile<BKMajor>(&p.tma_b, bar, sb, n0, k0, tile.expert, tile.multicast ? uint16_t(0x3) : uint16_t(0));
+              load_tile<BKMajor>(&p.tma_b, bar, sb, n0, k0, tile.expert);
             } else {
               load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
             }
           }
         }
+        if (gather) {
+          // Row ptid, 16-byte chunk c at chunk c ^ (ptid % 8): the 128-byte swizzle TMA would apply.
+          const uint32_t dst = smem_addr(sa) + ptid * 128;
+          CUTE_UNROLL
+          for (int c = 0; c < 8; ++c) {
+            cp_async_16(dst + ((c ^ (ptid & 7)) << 4), src_row != nullptr ? src_row + k0 + 8 * c : tokens,
+                        src_row != nullptr ? 16 : 0);
+          }
+          cp_async_arrive(bar);
+        }
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;
         }
       }
     }
-    // The partner's consumers signal this CTA's barriers: stay until they have released every stage.
-    if (kCluster > 1 && lane == 0) {
-      for (int i = 0; i < kStages; ++i) {
-        cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], phase ^ 1);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-    }
+    if (gather) asm volatile("cp.async.wait_all;" ::: "memory");
     return;
   }
 
@@ -363,25 +306,20 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   Tensor acc0 = partition_fragment_C(tiled_mma, Shape<_128, _128>{});
   Tensor acc1 = partition_fragment_C(tiled_mma, Shape<_128, _128>{});
 
-  int stage = 0;
-  uint32_t phase = 0;
-  // A stage goes back to the producers of every CTA in the cluster, one arrival per warp once the
-  // warp's wgmma reading it are done.
+  // A stage goes back to the producer with one arrival per warp, once the warp's wgmma reading it
+  // are done.
   auto release = [&](int s) {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) {
-      CUTE_UNROLL
-      for (int c = 0; c < kCluster; ++c) {
-        if constexpr (kCluster > 1) {
-          cutlass::arch::ClusterBarrier::arrive(&smem.empty[s], c, 1);
-        } else {
-          cutlass::arch::ClusterBarrier::arrive(&smem.empty[s]);
-        }
-      }
-    }
+    if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.empty[s]);
   };
-  for (int64_t u = first_unit; u < walker.total; u += unit_stride) {
-    const Tile tile = walker.at(u);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
+    const Tile tile = walker.at(t);
+    if (tile.k_tiles == 0) {
+      clear(acc0);
+      clear(acc1);
+    }
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
     for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
@@ -411,15 +349,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_fence_operand(acc0);
     warpgroup_fence_operand(acc1);
     if (prev_stage >= 0) release(prev_stage);
-    if (!tile.routed || tile.k_tiles == 0) {
-      clear(acc0);
-      clear(acc1);
-    }
 
     // Epilogue: each consumer warpgroup writes its 64 rows as 64 x 64 boxes into its staging
     // slots (128-byte swizzled, conflict-free) and one thread hands them to TMA stores, which
     // drain while the warpgroup already runs the next tile's mainloop. TMA clips rows past
-    // the tensor, and kRows tiles past the routed rows hold zeros.
+    // the tensor, and kRows tiles past the routed rows (k_tiles == 0) hold zeros.
     const int64_t n = args.n;
     const int wg = ct / 128;
     const int wtid = ct % 128;
@@ -450,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) {
           const int64_t r = int64_t(row0) + frag_row + 8 * h;
-          scale[h] = tile.routed && r < args.num_rows ? args.row_weight[r] : 0.0f;
+          scale[h] = r < args.num_rows ? args.row_weight[r] : 0.0f;
         }
       }
       stage_accumulators(scale[0], scale[1]);
@@ -489,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
       // loads), are overwritten in place by their gradients, slot 2 takes weight * a.
       // Past the routed rows the inputs are undefined: zeros are used instead of them.
-      const bool routed = tile.routed && tile.k_tiles > 0;
+      const bool routed = tile.k_tiles > 0;
       const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
       float dot[2] = {0.0f, 0.0f};
       float w[2];
@@ -563,52 +497,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 #endif
 }
 
-// Persistent on clusters: no more clusters than fit at once (an SM left without a partner in its
-// GPC stays idle).
-constexpr int kMaxDevices = 64;
-
-template <int kCluster, typename Kernel>
-cudaError_t launch_clusters(Kernel kernel, const GemmParams& params, int grid, cudaStream_t stream) {
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCluster;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  static std::atomic<int> fit_on[kMaxDevices];  // per device, found at the first launch there
-  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
-  int fit = fit_on[device].load(std::memory_order_relaxed);
-  if (fit == 0) {
-    config.gridDim = dim3(kCluster);
-    err = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
-    if (err != cudaSuccess) return err;
-    fit_on[device].store(fit, std::memory_order_relaxed);
-  }
-  config.gridDim = dim3(kCluster * std::max(1, std::min(fit, grid / kCluster)));
-  return cudaLaunchKernelEx(&config, kernel, params);
-}
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor>
 cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory ring too large");
   auto kernel = grouped_gemm_kernel<S, E, BKMajor>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
   if (err != cudaSuccess) return err;
-  constexpr int kCluster = kClusterSize<S>;
-  if constexpr (kCluster == 1) {
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
-    return cudaGetLastError();
-  } else {
-    return launch_clusters<kCluster>(kernel, params, grid, stream);
-  }
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
 }
-
 
 }  // namespace primemoe::sm90

@@ -59,8 +59,8 @@ def test_forward_ops_match_cpu(counts, shape):
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
 @pytest.mark.parametrize("tokens", [1, 17, 4095])
 def test_fc1_gather_equals_fc1_of_gathered_rows(tokens, routing, shape):
-    """The gather fused into FC1's loads (one TMA per row) gives the same bits as FC1 over rows
-    gathered beforehand, and matches the CPU kernel; padding rows come out as zeros."""
+    """The gather fused into FC1's loads (cp.async by the producer warpgroup) gives the same bits
+    as FC1 over rows gathered beforehand, and matches the CPU kernel; padding rows are zeros."""
     hidden, inter = SHAPES[shape]
     g = gather_operands(tokens, 8, 16, hidden, inter, routing, seed=tokens, device="cuda")
     poison_caching_allocator()
