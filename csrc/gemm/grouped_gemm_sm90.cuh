@@ -2,8 +2,8 @@
 //
 // One CTA per SM, persistent. Warpgroup 0 is the producer: one thread walks the tile
 // sequence and issues TMA loads into a kStages-deep ring guarded by mbarriers; when the A
-// rows are gathered from the tokens, all 128 threads of the warpgroup copy them (one row
-// each, cp.async into the swizzled layout), because TMA has no row gather on sm_90.
+// rows are gathered from the tokens, all 128 threads of the warpgroup copy them (cp.async
+// into the swizzled layout), because TMA has no row gather on sm_90.
 // Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128 x 256 tile as two
 // 64 x 128 fp32 accumulators (the two halves of the tile's columns: for FC1 the gate
 // and the up projection of the same activation columns, so SwiGLU needs no shuffle),
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   TileWalker<S, E> walker(args);
 
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<48>();  // 128 x 48 + 256 x 232 = the whole register file
     const int ptid = threadIdx.x;
     if (ptid >= (gather ? 128 : 1)) return;
     if (ptid == 0) {
@@ -243,11 +243,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         asm volatile("fence.proxy.async.global;" ::: "memory");
         ready_expert = tile.expert;
       }
-      // Gathered A: this thread's row of the tile (null: a padding row, filled with zeros).
-      const __nv_bfloat16* src_row = nullptr;
+      // Gathered A: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i, so each warp
+      // instruction moves 4 whole 128-byte row segments. The token of each (-1: padding, zeros).
+      int32_t token[8];
       if (gather && tile.k_tiles > 0) {
-        const int32_t slot = args.a_row_src[tile.m0 + ptid];
-        if (slot >= 0) src_row = tokens + int64_t(slot / args.a_src_div) * args.k;
+        CUTE_UNROLL
+        for (int i = 0; i < 8; ++i) {
+          const int32_t slot = args.a_row_src[tile.m0 + ptid / 8 + 16 * i];
+          token[i] = slot >= 0 ? slot / args.a_src_div : -1;
+        }
       }
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         uint64_t* bar = &smem.full[stage];
@@ -273,12 +277,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           }
         }
         if (gather) {
-          // Row ptid, 16-byte chunk c at chunk c ^ (ptid % 8): the 128-byte swizzle TMA would apply.
-          const uint32_t dst = smem_addr(sa) + ptid * 128;
+          // Chunk c of row r sits at chunk c ^ (r % 8): the 128-byte swizzle TMA would apply
+          // (r % 8 is the same for all of this thread's rows).
+          const int chunk = ptid % 8;
+          const uint32_t dst = smem_addr(sa) + (ptid / 8) * 128 + ((chunk ^ ((ptid / 8) & 7)) << 4);
           CUTE_UNROLL
-          for (int c = 0; c < 8; ++c) {
-            cp_async_16(dst + ((c ^ (ptid & 7)) << 4), src_row != nullptr ? src_row + k0 + 8 * c : tokens,
-                        src_row != nullptr ? 16 : 0);
+          for (int i = 0; i < 8; ++i) {
+            const bool real = token[i] >= 0;
+            cp_async_16(dst + 16 * 128 * i, real ? tokens + int64_t(token[i]) * args.k + k0 + 8 * chunk : tokens,
+                        real ? 16 : 0);
           }
           cp_async_arrive(bar);
         }
