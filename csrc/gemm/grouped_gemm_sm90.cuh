@@ -219,7 +219,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   TileWalker<S, E> walker(args);
 
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<48>();  // 128 x 48 + 256 x 232 = the whole register file
+    // Exactly what the consumers take: setmaxnreg grows them only from registers the producer gave back.
+    cutlass::arch::warpgroup_reg_dealloc<40>();
     const int ptid = threadIdx.x;
     if (ptid >= (gather ? 128 : 1)) return;
     if (ptid == 0) {

@@ -5,23 +5,23 @@ torch.compile traces every op, the CPU and CUDA implementations of
 ``moe_forward`` / ``moe_backward``, and their autograd formula.
 
 CUDA path: the ``dispatch_layout`` kernel (device-side counts and row maps, no host
-sync), the expert GEMM engine (persistent warp-specialised sm_90a kernels, csrc/gemm/)
+sync), ``gather_rows`` into expert-major order, the expert GEMM engine (persistent warp-specialised sm_90a kernels, csrc/gemm/)
 and the deterministic ``combine_reduce`` kernel, which sums each token's already
 weighted rows. The engine's ops:
 
-- ``fc1_swiglu_gather``: FC1 with SwiGLU in the epilogue, its A rows gathered from the
-  tokens by the loads themselves (pre-activations kept on request);
-- ``fc1_swiglu``: the same over rows already in expert-major order (expert parallelism,
-  where the dispatch has placed them), with the producer's wait on arrival counters;
+- ``fc1_swiglu``: FC1 with SwiGLU in the epilogue over rows in expert-major order
+  (pre-activations kept on request), with the producer's wait on arrival counters for
+  expert parallelism;
+- ``fc1_swiglu_gather``: the same with its A rows gathered from the tokens by the
+  producer warpgroup's cp.async copies; not used by the layer, because on the H200 the
+  separate ``gather_rows`` + TMA loads measured faster (benchmarks/RESULTS.md);
 - ``expert_gemm``: FC2 forward (routing weight applied in the epilogue) and FC1 dgrad;
 - ``fc2_dgrad_swiglu``: FC2 dgrad with the SwiGLU backward, the routing weight and the
   ``<da, a>`` routing-weight gradient partials in the epilogue;
 - ``expert_wgrad``: both weight gradients, each expert's rows reduced inside one tile.
 
 Where the engine does not cover a problem (not an sm_90 GPU, sizes not multiples of
-the tiles, ``PRIMEMOE_GEMM=torch``) the same composition runs on ``gather_rows`` and
-``torch._grouped_mm``. The backward gathers x and dy with ``gather_rows``: the weight
-gradients reduce over rows, so their operands must be materialised in row order.
+the tiles, ``PRIMEMOE_GEMM=torch``) the same composition runs on ``torch._grouped_mm``.
 
 Kept or recomputed FC1 pre-activations: kept by default (``keep_fc1=True``): the
 backward then skips a third of the forward's FLOPs for 2·I·2 bytes per routed row;
@@ -238,10 +238,8 @@ def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine):
     _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
     if T * K == 0:
         return x.new_zeros(T, H), x.new_zeros(row_to_slot.numel() if keep_fc1 else 0, two_i)
-    if engine:  # the gather of the routed tokens is fused into FC1's loads
-        a, h = lib.fc1_swiglu_gather(x, row_to_slot, K, w1, offsets, keep_fc1)
-    else:
-        a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None), w1, offsets, keep_fc1, False)
+    # Not fc1_swiglu_gather: on the H200 the separate gather + TMA loads are faster (benchmarks/RESULTS.md).
+    a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None), w1, offsets, keep_fc1, engine)
     o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine)
     return lib.combine_reduce(o, slot_to_row, None), h
 
