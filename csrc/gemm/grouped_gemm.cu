@@ -77,8 +77,9 @@ bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, in
 
 bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
   if (!shape_supported(a.schedule, a.epilogue, a.m, a.n, a.k, device, why)) return false;
-  if (a.a_row_src != nullptr && (a.schedule != GemmSchedule::kRows || a.a_src_div < 1)) {
-    if (why != nullptr) *why = "a gathered A operand needs the rows schedule and a positive row divisor";
+  if (a.a_row_src != nullptr && (a.schedule != GemmSchedule::kRows || a.epilogue != GemmEpilogue::kSwiGLU ||
+                                 !a.b_k_major || a.a_src_div < 1)) {
+    if (why != nullptr) *why = "only FC1 (rows schedule, SwiGLU) gathers its A operand, with a positive row divisor";
     return false;
   }
   if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out) || !aligned16(a.out_h) || !aligned16(a.in_h) ||
@@ -134,21 +135,23 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     case GemmSchedule::kRows:
       switch (a.epilogue) {
         case GemmEpilogue::kSwiGLU:
-          if (a.b_k_major) return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true>(params, grid, stream);
-          break;
+          if (!a.b_k_major) break;
+          return a.a_row_src != nullptr
+                     ? launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true>(params, grid, stream)
+                     : launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, false>(params, grid, stream);
         case GemmEpilogue::kStore:
-          return a.b_k_major ? launch<GemmSchedule::kRows, GemmEpilogue::kStore, true>(params, grid, stream)
-                             : launch<GemmSchedule::kRows, GemmEpilogue::kStore, false>(params, grid, stream);
+          return a.b_k_major ? launch<GemmSchedule::kRows, GemmEpilogue::kStore, true, false>(params, grid, stream)
+                             : launch<GemmSchedule::kRows, GemmEpilogue::kStore, false, false>(params, grid, stream);
         case GemmEpilogue::kSwiGLUBackward:
           if (!a.b_k_major) {
-            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLUBackward, false>(params, grid, stream);
+            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLUBackward, false, false>(params, grid, stream);
           }
           break;
       }
       break;
     case GemmSchedule::kExperts:
       if (a.epilogue == GemmEpilogue::kStore && !a.b_k_major) {
-        return launch<GemmSchedule::kExperts, GemmEpilogue::kStore, false>(params, grid, stream);
+        return launch<GemmSchedule::kExperts, GemmEpilogue::kStore, false, false>(params, grid, stream);
       }
       break;
   }

@@ -196,8 +196,9 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 
 __device__ __forceinline__ __nv_bfloat162 pack(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
 
-template <GemmSchedule S, GemmEpilogue E, bool BKMajor>
+template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
+  static_assert(!GatherA || S == GemmSchedule::kRows, "only row operands are gathered");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool AKMajor = S == GemmSchedule::kRows;
   const GroupedGemmArgs& args = p.args;
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   auto& smem = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int warpgroup = threadIdx.x / 128;
-  const bool gather = S == GemmSchedule::kRows && args.a_row_src != nullptr;
+  constexpr bool gather = GatherA;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       // The TMA thread's arrival, plus one per gathering thread.
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           wait_at_least(args.hook.counters + tile.expert, target, args.hook.timeout_ns, args.error, args.hook.rank,
                         -1, tile.expert, kWaitGemmRows);
         }
-        if (gather) asm volatile("bar.sync 3, 128;" ::: "memory");
+        if constexpr (gather) asm volatile("bar.sync 3, 128;" ::: "memory");
         asm volatile("fence.proxy.async.global;" ::: "memory");
         ready_expert = tile.expert;
       }
@@ -277,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
             }
           }
         }
-        if (gather) {
+        if constexpr (gather) {
           // Chunk c of row r sits at chunk c ^ (r % 8): the 128-byte swizzle TMA would apply
           // (r % 8 is the same for all of this thread's rows).
           const int chunk = ptid % 8;
@@ -296,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
       }
     }
-    if (gather) asm volatile("cp.async.wait_all;" ::: "memory");
+    if constexpr (gather) asm volatile("cp.async.wait_all;" ::: "memory");
     return;
   }
 
@@ -505,10 +506,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 #endif
 }
 
-template <GemmSchedule S, GemmEpilogue E, bool BKMajor>
+template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory ring too large");
-  auto kernel = grouped_gemm_kernel<S, E, BKMajor>;
+  auto kernel = grouped_gemm_kernel<S, E, BKMajor, GatherA>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
   if (err != cudaSuccess) return err;
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
