@@ -3,6 +3,7 @@
 // moe_forward / moe_backward get their implementations in the Python shim.
 #include <Python.h>
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -546,10 +547,7 @@ GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at
   g.num_experts = static_cast<int32_t>(offsets.numel() - 1);
   g.expert_offsets = offsets.data_ptr<int32_t>();
   g.out = out.data_ptr();
-  g.error = error_record_for(a);
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.get_device());
-  g.num_sms = sms;
+  g.num_sms = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   return g;
 }
 
@@ -560,13 +558,14 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
 }
 
 // rows [R, K] x w[e] for each expert's rows: w is [E, N, K] (w_kn = false) or [E, K, N].
-void check_expert_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
-  check_rows(rows, "rows");
+void check_expert_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
+                            const char* rows_name = "rows") {
+  check_rows(rows, rows_name);
   check_weights3(w, "w");
   check_same_device(w, rows, "w");
   check_offsets(offsets, rows, w.size(0));
   const int64_t k = w_kn ? w.size(1) : w.size(2);
-  PRIMEMOE_CHECK(rows.size(1) == k, "rows: expected ", k, " columns (w's reduction size), got ", rows.size(1));
+  PRIMEMOE_CHECK(rows.size(1) == k, rows_name, ": expected ", k, " columns (w's reduction size), got ", rows.size(1));
 }
 
 void check_row_weight(const std::optional<at::Tensor>& row_weight, const at::Tensor& rows) {
@@ -613,8 +612,9 @@ at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at
   return out.to(at::kBFloat16);
 }
 
-void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets) {
-  check_expert_gemm_args(rows, w1, offsets, false);
+void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets,
+                    const char* rows_name = "rows") {
+  check_expert_gemm_args(rows, w1, offsets, false, rows_name);
   PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
 }
 
@@ -658,6 +658,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
     g.hook.per_epoch = static_cast<uint64_t>(per_epoch);
     g.hook.rank = static_cast<int32_t>(rank);
     g.hook.timeout_ns = wait_timeout_ns();
+    g.error = error_record_for(rows);  // where a timed-out wait is reported
   }
   run_gemm(g, rows, "fc1_swiglu");
   return {a, h};
@@ -682,16 +683,10 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cpu(const at::Tensor& rows, const 
 // (zeros where row_to_slot[r] < 0), gathered by the GEMM's loads instead of a separate pass.
 void check_fc1_gather_args(const at::Tensor& x, const at::Tensor& row_to_slot, int64_t top_k, const at::Tensor& w1,
                            const at::Tensor& offsets) {
-  check_rows(x, "x");
+  check_fc1_args(x, w1, offsets, "x");
   check_index(row_to_slot, "row_to_slot", 1);
   check_same_device(row_to_slot, x, "row_to_slot");
   PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
-  check_weights3(w1, "w1");
-  check_same_device(w1, x, "w1");
-  check_offsets(offsets, x, w1.size(0));
-  PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
-  PRIMEMOE_CHECK(x.size(1) == w1.size(2), "x: expected ", w1.size(2), " columns (w1's reduction size), got ",
-                 x.size(1));
 }
 
 std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cuda(const at::Tensor& x, const at::Tensor& row_to_slot,
@@ -730,10 +725,7 @@ void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const
   const int64_t inter = w2.size(2);
   PRIMEMOE_CHECK(h.size(0) == dy_rows.size(0) && h.size(1) == 2 * inter, "h: expected [", dy_rows.size(0), ", ",
                  2 * inter, "], got ", h.sizes());
-  PRIMEMOE_CHECK(row_weight.dim() == 1 && row_weight.numel() == dy_rows.size(0) &&
-                     row_weight.scalar_type() == at::kFloat && row_weight.is_contiguous(),
-                 "row_weight: expected a contiguous float32 vector of ", dy_rows.size(0), " entries");
-  check_same_device(row_weight, dy_rows, "row_weight");
+  check_row_weight(row_weight, dy_rows);
   PRIMEMOE_CHECK(inter % kGemmTileN == 0, "w2: the intermediate size must be a multiple of ", kGemmTileN, ", got ",
                  inter);
 }

@@ -1,6 +1,7 @@
 // Host side of the grouped GEMM family: checks, TMA descriptors, variant choice, launch.
 #include <cuda.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "grouped_gemm_launch.cuh"
@@ -46,6 +47,23 @@ cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// major * 10 + minor, asked once per device (every GEMM launch checks it).
+int compute_capability(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int cc = known[device].load(std::memory_order_relaxed);
+  if (cc == 0) {
+    int major = 0;
+    int minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    cc = major * 10 + minor;
+    known[device].store(cc, std::memory_order_relaxed);
+  }
+  return cc;
+}
+
 // The device and the sizes, without the operands' addresses.
 bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, int64_t n, int64_t k, int device,
                      const char** why) {
@@ -53,14 +71,11 @@ bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, in
     if (why != nullptr) *why = reason;
     return false;
   };
-  int major = 0;
-  int minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
 #ifndef PRIMEMOE_HAVE_SM90A
   return no("this build has no sm_90a kernels");
+#else
+  if (compute_capability(device) != 90) return no("the grouped GEMM kernels need an sm_90 GPU");
 #endif
-  if (major != 9 || minor != 0) return no("the grouped GEMM kernels need an sm_90 GPU");
   if (encode_tiled() == nullptr) return no("the driver lacks cuTensorMapEncodeTiled");
   const int64_t n_step = epilogue == GemmEpilogue::kSwiGLU ? 128 : kGemmTileN;
   if (n <= 0 || n % n_step != 0) return no("the output width is not a multiple of the tile width");
@@ -77,9 +92,8 @@ bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, in
 
 bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
   if (!shape_supported(a.schedule, a.epilogue, a.m, a.n, a.k, device, why)) return false;
-  if (a.a_row_src != nullptr && (a.schedule != GemmSchedule::kRows || a.epilogue != GemmEpilogue::kSwiGLU ||
-                                 !a.b_k_major || a.a_src_div < 1)) {
-    if (why != nullptr) *why = "only FC1 (rows schedule, SwiGLU) gathers its A operand, with a positive row divisor";
+  if (a.a_row_src != nullptr && (a.a_src_div < 1 || a.hook.counters != nullptr)) {
+    if (why != nullptr) *why = "a gathered A operand needs a positive row divisor and takes no rows-ready hook";
     return false;
   }
   if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out) || !aligned16(a.out_h) || !aligned16(a.in_h) ||
@@ -131,14 +145,19 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, 64);
   if (err != cudaSuccess) return err;
   const int grid = a.num_sms > 0 ? a.num_sms : 1;
+  if (a.a_row_src != nullptr) {  // only FC1 gathers its rows
+    const bool fc1 = a.schedule == GemmSchedule::kRows && a.epilogue == GemmEpilogue::kSwiGLU && a.b_k_major;
+    return fc1 ? launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true>(params, grid, stream)
+               : cudaErrorNotSupported;
+  }
   switch (a.schedule) {
     case GemmSchedule::kRows:
       switch (a.epilogue) {
         case GemmEpilogue::kSwiGLU:
-          if (!a.b_k_major) break;
-          return a.a_row_src != nullptr
-                     ? launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true>(params, grid, stream)
-                     : launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, false>(params, grid, stream);
+          if (a.b_k_major) {
+            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, false>(params, grid, stream);
+          }
+          break;
         case GemmEpilogue::kStore:
           return a.b_k_major ? launch<GemmSchedule::kRows, GemmEpilogue::kStore, true, false>(params, grid, stream)
                              : launch<GemmSchedule::kRows, GemmEpilogue::kStore, false, false>(params, grid, stream);

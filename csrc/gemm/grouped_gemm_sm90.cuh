@@ -16,6 +16,8 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <atomic>
+
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -206,11 +208,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   auto& smem = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int warpgroup = threadIdx.x / 128;
-  constexpr bool gather = GatherA;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       // The TMA thread's arrival, plus one per gathering thread.
-      cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], gather ? 129 : 1);
+      cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], GatherA ? 129 : 1);
       cutlass::arch::ClusterBarrier::init(&smem.empty[s], 8);  // one arrival per consumer warp
     }
     cutlass::arch::fence_barrier_init();
@@ -223,9 +224,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // Exactly what the consumers take: setmaxnreg grows them only from registers the producer gave back.
     cutlass::arch::warpgroup_reg_dealloc<40>();
     const int ptid = threadIdx.x;
-    if (ptid >= (gather ? 128 : 1)) return;
+    if (ptid >= (GatherA ? 128 : 1)) return;
     if (ptid == 0) {
-      if (!gather) asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_a) : "memory");
+      if (!GatherA) asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_a) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_b) : "memory");
     }
     const auto* tokens = static_cast<const __nv_bfloat16*>(args.a);
@@ -234,21 +235,19 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     int32_t ready_expert = -1;
     for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
       const Tile tile = walker.at(t);
-      if (S == GemmSchedule::kRows && args.hook.counters != nullptr && tile.k_tiles > 0 &&
+      // The rows-ready hook (expert parallelism: rows are placed by the dispatch, never gathered).
+      if (S == GemmSchedule::kRows && !GatherA && args.hook.counters != nullptr && tile.k_tiles > 0 &&
           tile.expert != ready_expert) {
-        if (ptid == 0) {
-          const uint64_t target = uint64_t(*args.hook.epoch) * args.hook.per_epoch;
-          wait_at_least(args.hook.counters + tile.expert, target, args.hook.timeout_ns, args.error, args.hook.rank,
-                        -1, tile.expert, kWaitGemmRows);
-        }
-        if constexpr (gather) asm volatile("bar.sync 3, 128;" ::: "memory");
+        const uint64_t target = uint64_t(*args.hook.epoch) * args.hook.per_epoch;
+        wait_at_least(args.hook.counters + tile.expert, target, args.hook.timeout_ns, args.error, args.hook.rank, -1,
+                      tile.expert, kWaitGemmRows);
         asm volatile("fence.proxy.async.global;" ::: "memory");
         ready_expert = tile.expert;
       }
       // Gathered A: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i, so each warp
       // instruction moves 4 whole 128-byte row segments. The token of each (-1: padding, zeros).
       int32_t token[8];
-      if (gather && tile.k_tiles > 0) {
+      if (GatherA && tile.k_tiles > 0) {
         CUTE_UNROLL
         for (int i = 0; i < 8; ++i) {
           const int32_t slot = args.a_row_src[tile.m0 + ptid / 8 + 16 * i];
@@ -261,9 +260,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
         bfloat16_t* sa = smem.a + stage * kSubTileElems;
         if (ptid == 0) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, gather ? kStageBBytes : kStageBytes);
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, GatherA ? kStageBBytes : kStageBytes);
           if constexpr (S == GemmSchedule::kRows) {
-            if (!gather) load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
+            if (!GatherA) load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
           } else {
             load_tile<false>(&p.tma_a, bar, sa, tile.m0, k0, 0);
           }
@@ -278,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
             }
           }
         }
-        if constexpr (gather) {
+        if constexpr (GatherA) {
           // Chunk c of row r sits at chunk c ^ (r % 8): the 128-byte swizzle TMA would apply
           // (r % 8 is the same for all of this thread's rows).
           const int chunk = ptid % 8;
@@ -297,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
       }
     }
-    if constexpr (gather) asm volatile("cp.async.wait_all;" ::: "memory");
+    if constexpr (GatherA) asm volatile("cp.async.wait_all;" ::: "memory");
     return;
   }
 
@@ -393,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) {
           const int64_t r = int64_t(row0) + frag_row + 8 * h;
-          scale[h] = r < args.num_rows ? args.row_weight[r] : 0.0f;
+          scale[h] = tile.k_tiles > 0 && r < args.num_rows ? args.row_weight[r] : 0.0f;
         }
       }
       stage_accumulators(scale[0], scale[1]);
@@ -506,12 +505,22 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 #endif
 }
 
+constexpr int kMaxDevices = 64;
+
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory ring too large");
   auto kernel = grouped_gemm_kernel<S, E, BKMajor, GatherA>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
+  static std::atomic<bool> smem_set_on[kMaxDevices];  // the attribute is per device: set once on each
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!smem_set_on[device].load(std::memory_order_acquire)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+    if (err != cudaSuccess) return err;
+    smem_set_on[device].store(true, std::memory_order_release);
+  }
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
