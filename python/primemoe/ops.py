@@ -210,8 +210,8 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine):
     ``(dxs, dw1, dw2, dtw_rows)``; ``dtw_rows[r] = <dy_r, FC2 output_r>`` = ``<da_r, a_r>``
     (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept."""
     if engine:
-        if h is None:
-            h = lib.fc1_swiglu(xs, w1, offsets, True)[1]
+        if h is None:  # the pre-activations only: FC1 without its SwiGLU epilogue
+            h = lib.expert_gemm(xs, w1, offsets, False)
         dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets)
         dw2 = lib.expert_wgrad(dy_rows, aw, offsets)
         dxs = lib.expert_gemm(dh, w1, offsets, True)
