@@ -171,10 +171,15 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
     }
   }
   __syncthreads();
+  // Padding rows: no source, weight 0 (the expert GEMMs read the weights of every row in a tile).
   int32_t* meta = region<int32_t>(a.workspace, a.layout.recv_meta);
+  float* weights = region<float>(a.workspace, a.layout.recv_weights);
   for (int e = 0; e < E; ++e) {
-    for (int32_t r = a.expert_offsets[e] + a.expert_counts[e] + threadIdx.x; r < a.expert_offsets[e + 1]; r += blockDim.x)
+    for (int32_t r = a.expert_offsets[e] + a.expert_counts[e] + threadIdx.x; r < a.expert_offsets[e + 1];
+         r += blockDim.x) {
       meta[r] = -1;
+      weights[r] = 0.0f;
+    }
   }
   // A (destination, expert) pair this rank sends nothing to is complete already.
   for (int i = threadIdx.x; i < W * E; i += blockDim.x) {

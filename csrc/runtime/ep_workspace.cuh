@@ -43,7 +43,7 @@ struct EpLayout {
   size_t combine_flags;    // uint64 [W src]: epoch at which expert rank src finished pushing my slots back
   size_t recv_rows;        // bf16 [max_recv_rows, H]: expert-major; per expert, sources in rank order
   size_t recv_meta;        // int32 [max_recv_rows]: src_rank * max_slots + slot, -1 for padding rows
-  size_t recv_weights;     // float [max_recv_rows]: routing weight of the row's slot
+  size_t recv_weights;     // float [max_recv_rows]: routing weight of the row's slot, 0 for padding rows
   size_t combine_rows;     // bf16 [max_slots, H]: result row of each of my slots, pushed by its expert rank
   size_t combine_scalars;  // float [max_slots]: per-slot scalar pushed with it (d_topk_weights in backward)
   size_t scratch;          // int32 [4][W * E_local]: this rank's own bookkeeping (EpScratch), never read remotely

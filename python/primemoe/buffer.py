@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from ._validate import check_precision
+from .ops import ROW_ALIGN
 
 __all__ = ["Buffer", "EpConfig", "buffer_config", "ep_layout", "ep_region", "ep_transport", "nvshmem_environment"]
 
@@ -231,7 +232,7 @@ class Buffer:
     """
 
     def __init__(self, group, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
-                 precision="bf16", row_align=128, num_sms=24):
+                 precision="bf16", row_align=ROW_ALIGN, num_sms=24):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
         check_precision(precision)

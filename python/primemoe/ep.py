@@ -60,12 +60,6 @@ def _slot_map(slot_valid: torch.Tensor) -> torch.Tensor:
     return torch.where(slot_valid, slots, -1)
 
 
-def _received_row_weights(buffer) -> torch.Tensor:
-    """Routing weight of each received row. Padding rows (meta -1) are zero and get weight 0;
-    rows past the last expert's range are never sent back."""
-    return torch.where(buffer.region("recv_meta") >= 0, buffer.region("recv_weights"), 0.0)
-
-
 class _ExpertParallelMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w1, w2, buffer, keep_fc1, wants_grad):
@@ -76,8 +70,9 @@ class _ExpertParallelMoE(torch.autograd.Function):
         _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights, wait=not engine)
         xs = buffer.region("recv_rows")
         a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, buffer.rows_ready() if engine else None)
-        # Read after FC1, which has waited for every expert's rows: their weights have landed too.
-        o = expert_fc2(a, w2, offsets, _received_row_weights(buffer), engine)
+        # Read by FC2, after FC1 has waited for every expert's rows: their weights have landed too.
+        # Padding rows have weight 0 (the dispatch writes it); rows past the last expert are never sent back.
+        o = expert_fc2(a, w2, offsets, buffer.region("recv_weights"), engine)
         buffer.combine(o, offsets)
         y = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)
         if wants_grad:
@@ -97,7 +92,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
         # rank's receive region before that dispatch has exchanged its counts: no copies needed.
         _, offsets, slot_valid = buffer.dispatch(dy.contiguous(), topk_idx, topk_weights)
         dy_rows = buffer.region("recv_rows")
-        row_weight = _received_row_weights(buffer)
+        row_weight = buffer.region("recv_weights")
         # dtw_rows: one fp32 dot per received row, sent back to its slot as the routing-weight gradient.
         dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, ctx.engine)
         buffer.combine(dxs, offsets, dtw_rows)
