@@ -2,9 +2,10 @@
 # One device call: build primemoe on the GPU machine (no network there: the
 # nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
 # the benchmark. Logs and results land in $OUT (default ./gpu-out).
-#   scripts/gpu_run.sh [smoke|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|comm|sanitize|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|comm|sanitize|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
+# engine: the engine's GPU tests alone, stopping at the first failure;
 # smoke: one small forward+backward (stops the run if it fails or hangs); stages: per-stage times of the single-GPU layer (scripts/stage_times.py);
 # ncu: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py).
 set -uo pipefail
@@ -32,6 +33,8 @@ for step in $STEPS; do
   case $step in
     tests) $PY -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
            [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    engine) timeout 300 $PY -m pytest tests/gpu/test_engine_gpu.py -x -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-engine.log" | tail -5
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     smoke) timeout 120 $PY scripts/sanitize_case.py 2>&1 | tee "$OUT/smoke.log" | tail -5
            [ "${PIPESTATUS[0]}" = 0 ] || { echo "smoke case failed: stopping"; exit 1; } ;;
     multigpu) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 | tee "$OUT/pytest-multigpu.log" | tail -20
@@ -49,9 +52,9 @@ for step in $STEPS; do
     comm) $PY -m primemoe.bench --comm --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
             --out "$OUT/comm" 2>&1 | tee "$OUT/comm.log" | tail -30 ;;
     ncu) ncu --clock-control none -k regex:grouped_gemm_kernel --launch-skip 3 --launch-count 3 \
-           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+           --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
            $PY scripts/ncu_engine.py > "$OUT/ncu.log" 2>&1
-         grep -E "grouped_gemm_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|DRAM Throughput|Stall|Warp Cycles Per Issued" "$OUT/ncu.log" | head -60 ;;
+         grep -E "grouped_gemm_kernel|Duration|Throughput|Stall|Warp Cycles Per Issued|Issue Slots|SM Busy|Ipc|Bank" "$OUT/ncu.log" | head -90 ;;
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py > "$OUT/sanitize-$tool.log" 2>&1

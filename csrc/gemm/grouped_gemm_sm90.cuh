@@ -4,9 +4,10 @@
 // sequence and issues TMA loads into a kStages-deep ring guarded by mbarriers; when the A
 // rows are gathered from the tokens, all 128 threads of the warpgroup copy them (cp.async
 // into the swizzled layout), because TMA has no row gather on sm_90.
-// Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128 x 256 tile as two
-// 64 x 128 fp32 accumulators (the two halves of the tile's columns: for FC1 the gate
-// and the up projection of the same activation columns, so SwiGLU needs no shuffle),
+// Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128 x 256 tile as one
+// 64 x 256 fp32 accumulator (m64n256 wgmma, the widest: least shared-memory traffic per
+// FLOP) whose column halves are the tile's two 128-row weight loads (for FC1 the gate and
+// the up projection of the same activation columns, so SwiGLU needs no shuffle),
 // runs wgmma straight from shared memory, and hands its epilogue to TMA stores through
 // swizzled shared-memory boxes (they drain while the next tile's mainloop runs).
 // Producer and consumers walk the same tile sequence, so the ring's stage/phase
@@ -40,21 +41,22 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 
 struct SharedStorage {
   bfloat16_t a[kStages * kSubTileElems];
-  bfloat16_t b[2][kStages * kSubTileElems];
+  bfloat16_t b[kStages * 2 * kSubTileElems];  // per stage: the two 128-row weight halves, one 256-row operand
   bfloat16_t staging[2][4 * 64 * 64];  // per consumer warpgroup: four 64 x 64 epilogue boxes
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
 constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + room to align the base to 1 KiB (swizzle atoms)
 
-// Shared-memory layout of one operand's ring: (128 rows of M or N, 64 of K, stage), 128-byte
-// swizzled exactly as TMA writes it (K-major: one 64 x 128 box; MN-major: two 64 x 64 boxes).
-template <bool KMajor>
+// Shared-memory layout of one operand's ring: (Rows of M or N, 64 of K, stage), 128-byte
+// swizzled exactly as TMA writes it per 128 rows (K-major: one 64 x 128 box; MN-major: two
+// 64 x 64 boxes), 128-row blocks back to back.
+template <bool KMajor, int Rows>
 CUTE_HOST_DEVICE constexpr auto ring_layout() {
   if constexpr (KMajor) {
-    return tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, Shape<_128, Int<kGemmTileK>, Int<kStages>>{});
+    return tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, Shape<Int<Rows>, Int<kGemmTileK>, Int<kStages>>{});
   } else {
-    return tile_to_shape(GMMA::Layout_MN_SW128_Atom<bfloat16_t>{}, Shape<_128, Int<kGemmTileK>, Int<kStages>>{},
+    return tile_to_shape(GMMA::Layout_MN_SW128_Atom<bfloat16_t>{}, Shape<Int<Rows>, Int<kGemmTileK>, Int<kStages>>{},
                          Step<_2, _1, _3>{});
   }
 }
@@ -267,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
             load_tile<false>(&p.tma_a, bar, sa, tile.m0, k0, 0);
           }
           for (int j = 0; j < 2; ++j) {
-            bfloat16_t* sb = smem.b[j] + stage * kSubTileElems;
+            bfloat16_t* sb = smem.b + (2 * stage + j) * kSubTileElems;
             if constexpr (S == GemmSchedule::kRows) {
               const int32_t n0 = E == GemmEpilogue::kSwiGLU ? tile.n_tile * 128 + j * args.n
                                                             : tile.n_tile * kGemmTileN + j * 128;
@@ -302,17 +304,17 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   cutlass::arch::warpgroup_reg_alloc<232>();
   const int ct = threadIdx.x - 128;
-  using MmaAtom = SM90_64x128x16_F32BF16BF16_SS<major<AKMajor>(), major<BKMajor>()>;
+  using MmaAtom = SM90_64x256x16_F32BF16BF16_SS<major<AKMajor>(), major<BKMajor>()>;
   auto tiled_mma = make_tiled_mma(MmaAtom{}, Layout<Shape<_2, _1, _1>>{});
   auto thr_mma = tiled_mma.get_slice(ct);
-  Tensor sA = make_tensor(make_smem_ptr(smem.a), ring_layout<AKMajor>());
-  Tensor sB0 = make_tensor(make_smem_ptr(smem.b[0]), ring_layout<BKMajor>());
-  Tensor sB1 = make_tensor(make_smem_ptr(smem.b[1]), ring_layout<BKMajor>());
+  Tensor sA = make_tensor(make_smem_ptr(smem.a), ring_layout<AKMajor, 128>());
+  Tensor sB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, kGemmTileN>());
   Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, 1, 4, stage) descriptors
-  Tensor tCrB0 = thr_mma.make_fragment_B(thr_mma.partition_B(sB0));
-  Tensor tCrB1 = thr_mma.make_fragment_B(thr_mma.partition_B(sB1));
-  Tensor acc0 = partition_fragment_C(tiled_mma, Shape<_128, _128>{});
-  Tensor acc1 = partition_fragment_C(tiled_mma, Shape<_128, _128>{});
+  Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
+  // Value i of a thread: row frag_row + 8 * ((i >> 1) & 1), column frag_col + 8 * (i >> 2) + (i & 1)
+  // (see the epilogue); values [0, 64) are the first weight half's columns, [64, 128) the second's.
+  Tensor acc = partition_fragment_C(tiled_mma, Shape<_128, Int<kGemmTileN>>{});
+  constexpr int kHalf = 64;
 
   // A stage goes back to the producer with one arrival per warp, once the warp's wgmma reading it
   // are done.
@@ -324,28 +326,22 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint32_t phase = 0;
   for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
     const Tile tile = walker.at(t);
-    if (tile.k_tiles == 0) {
-      clear(acc0);
-      clear(acc1);
-    }
+    if (tile.k_tiles == 0) clear(acc);
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
     for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], phase);
-      warpgroup_fence_operand(acc0);
-      warpgroup_fence_operand(acc1);
+      warpgroup_fence_operand(acc);
       warpgroup_arrive();
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB0(_, _, kb, stage), acc0);
-        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB1(_, _, kb, stage), acc1);
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
       // Keep one k-tile of wgmma in flight; the one before it is done, so its stage goes back.
       warpgroup_wait<1>();
-      warpgroup_fence_operand(acc0);
-      warpgroup_fence_operand(acc1);
+      warpgroup_fence_operand(acc);
       if (prev_stage >= 0) release(prev_stage);
       prev_stage = stage;
       if (++stage == kStages) {
@@ -354,8 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
     }
     warpgroup_wait<0>();
-    warpgroup_fence_operand(acc0);
-    warpgroup_fence_operand(acc1);
+    warpgroup_fence_operand(acc);
     if (prev_stage >= 0) release(prev_stage);
 
     // Epilogue: each consumer warpgroup writes its 64 rows as 64 x 64 boxes into its staging
@@ -371,18 +366,18 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const int frag_col = 2 * (wtid % 4);
     uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
     const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
-    // Both accumulators as bf16 into boxes 0-1 (acc0) and 2-3 (acc1), the thread's two rows
+    // The accumulator as bf16 into boxes 0-1 (first half) and 2-3 (second half), the thread's two rows
     // (frag_row, frag_row + 8) scaled by scale0 and scale1.
     auto stage_accumulators = [&](float scale0, float scale1) {
       staging_acquire(wg, wtid);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc0); i += 2) {
+      for (int i = 0; i < kHalf; i += 2) {
         const int half = (i >> 1) & 1;
         const int r = frag_row + 8 * half;
         const int c = frag_col + 8 * (i >> 2);
         const float scale = half ? scale1 : scale0;
-        put_pair(slots, c / 64, r, c % 64, pack(acc0(i) * scale, acc0(i + 1) * scale));
-        put_pair(slots, 2 + c / 64, r, c % 64, pack(acc1(i) * scale, acc1(i + 1) * scale));
+        put_pair(slots, c / 64, r, c % 64, pack(acc(i) * scale, acc(i + 1) * scale));
+        put_pair(slots, 2 + c / 64, r, c % 64, pack(acc(kHalf + i) * scale, acc(kHalf + i + 1) * scale));
       }
       staging_release(wg);
     };
@@ -414,11 +409,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       staging_acquire(wg, wtid);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc0); i += 2) {
+      for (int i = 0; i < kHalf; i += 2) {
         const int r = frag_row + 8 * ((i >> 1) & 1);
         const int c = frag_col + 8 * (i >> 2);
-        const float2 g = __bfloat1622float2(pack(acc0(i), acc0(i + 1)));
-        const float2 u = __bfloat1622float2(pack(acc1(i), acc1(i + 1)));
+        const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
+        const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
         put_pair(slots, c / 64, r, c % 64, pack(silu(g.x) * u.x, silu(g.y) * u.y));
       }
       staging_release(wg);
@@ -461,11 +456,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           *reinterpret_cast<uint4*>(slots + kBoxBytes + swizzled(r, chunk * 8)) = u;
         }
         wg_sync(wg);
-        // This quarter is accumulator (q / 2), value indices [32 (q % 2), +32): column groups of 8.
+        // This quarter is accumulator values [32 q, +32): column groups of 8.
         CUTE_UNROLL
         for (int i = 32 * (q % 2); i < 32 * (q % 2) + 32; i += 2) {
-          const float da0 = q < 2 ? acc0(i) : acc1(i);
-          const float da1 = q < 2 ? acc0(i + 1) : acc1(i + 1);
+          const float da0 = acc(kHalf * (q / 2) + i);
+          const float da1 = acc(kHalf * (q / 2) + i + 1);
           const int half = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
           const int r = frag_row + 8 * half;
           const int c = (frag_col + 8 * (i >> 2)) % 64;
