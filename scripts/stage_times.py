@@ -48,6 +48,8 @@ def stages(shape, tokens):
         "dispatch_layout": (lambda: lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN), 0),
         "gather_rows x": (lambda: lib.gather_rows(x, r2s, K, None), 0),
         "fc1_swiglu (gathered x)": (lambda: lib.fc1_swiglu(xs, w1, off, True), 2 * flops),
+        "fc1_swiglu, h not kept": (lambda: lib.fc1_swiglu(xs, w1, off, False), 2 * flops),
+        "fc1 GEMM alone (expert_gemm)": (lambda: lib.expert_gemm(xs, w1, off, False), 2 * flops),
         "fc1_swiglu_gather": (lambda: lib.fc1_swiglu_gather(x, r2s, K, w1, off, True), 2 * flops),
         "fc2 expert_gemm": (lambda: lib.expert_gemm(a, w2, off, False, rw), flops),
         "combine_reduce": (lambda: lib.combine_reduce(o, s2r, None), 0),

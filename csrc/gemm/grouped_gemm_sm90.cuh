@@ -1,7 +1,7 @@
 // Device template of the expert-grouped GEMM family for sm_90a (see grouped_gemm.cuh).
 //
 // One CTA per SM, persistent. Warpgroup 0 is the producer: one thread walks the tile
-// sequence and issues TMA loads into a kStages-deep ring guarded by mbarriers; when the A
+// sequence and issues TMA loads into a ring of stages guarded by mbarriers; when the A
 // rows are gathered from the tokens, all 128 threads of the warpgroup copy them (cp.async
 // into the swizzled layout), because TMA has no row gather on sm_90.
 // Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128 x 256 tile as one
@@ -33,30 +33,45 @@ namespace primemoe::sm90 {
 
 using namespace cute;
 
-constexpr int kStages = 3;
 constexpr int kThreads = 384;
 constexpr int kSubTileElems = 128 * kGemmTileK;  // one 128 x 64 operand tile, 16 KiB
 constexpr uint32_t kStageBytes = 3 * kSubTileElems * 2;
 constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of a stage
 
-struct SharedStorage {
-  bfloat16_t a[kStages * kSubTileElems];
-  bfloat16_t b[kStages * 2 * kSubTileElems];  // per stage: the two 128-row weight halves, one 256-row operand
-  bfloat16_t staging[2][4 * 64 * 64];  // per consumer warpgroup: four 64 x 64 epilogue boxes
-  uint64_t full[kStages];
-  uint64_t empty[kStages];
+// Ring depth and epilogue staging (64 x 64 bf16 boxes per consumer warpgroup) share shared memory.
+// A k-slice is ~0.6 us of wgmma and a TMA load from L2 takes about as long again, so 4 stages keep
+// loads 3 slices ahead; that leaves room for 2 boxes. FC2 dgrad's epilogue needs 3 boxes at once,
+// so it keeps 3 stages.
+template <GemmEpilogue E>
+struct Pipeline {
+  static constexpr int kStages = E == GemmEpilogue::kSwiGLUBackward ? 3 : 4;
+  static constexpr int kBoxes = E == GemmEpilogue::kSwiGLUBackward ? 4 : 2;
 };
-constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + room to align the base to 1 KiB (swizzle atoms)
+
+template <int Stages, int Boxes>
+struct SharedStorage {
+  bfloat16_t a[Stages * kSubTileElems];
+  bfloat16_t b[Stages * 2 * kSubTileElems];  // per stage: the two 128-row weight halves, one 256-row operand
+  bfloat16_t staging[2][Boxes * 64 * 64];
+  uint64_t full[Stages];
+  uint64_t empty[Stages];
+};
+
+template <GemmEpilogue E>
+using SharedStorageOf = SharedStorage<Pipeline<E>::kStages, Pipeline<E>::kBoxes>;
+
+template <GemmEpilogue E>
+constexpr size_t kSmemBytes = sizeof(SharedStorageOf<E>) + 1024;  // + room to align the base to 1 KiB (swizzle atoms)
 
 // Shared-memory layout of one operand's ring: (Rows of M or N, 64 of K, stage), 128-byte
 // swizzled exactly as TMA writes it per 128 rows (K-major: one 64 x 128 box; MN-major: two
 // 64 x 64 boxes), 128-row blocks back to back.
-template <bool KMajor, int Rows>
+template <bool KMajor, int Rows, int Stages>
 CUTE_HOST_DEVICE constexpr auto ring_layout() {
   if constexpr (KMajor) {
-    return tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, Shape<Int<Rows>, Int<kGemmTileK>, Int<kStages>>{});
+    return tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, Shape<Int<Rows>, Int<kGemmTileK>, Int<Stages>>{});
   } else {
-    return tile_to_shape(GMMA::Layout_MN_SW128_Atom<bfloat16_t>{}, Shape<Int<Rows>, Int<kGemmTileK>, Int<kStages>>{},
+    return tile_to_shape(GMMA::Layout_MN_SW128_Atom<bfloat16_t>{}, Shape<Int<Rows>, Int<kGemmTileK>, Int<Stages>>{},
                          Step<_2, _1, _3>{});
   }
 }
@@ -102,7 +117,7 @@ __device__ __forceinline__ void load_tile(const CUtensorMap* map, uint64_t* bar,
   }
 }
 
-// Epilogue staging: per consumer warpgroup, four 64 x 64 bf16 boxes in TMA's 128-byte swizzle
+// Epilogue staging: per consumer warpgroup, Pipeline::kBoxes 64 x 64 bf16 boxes in TMA's 128-byte swizzle
 // (16-byte chunk c of row r sits at chunk c ^ (r % 8)), so the accumulator layout's writes
 // (8 rows x 4 column pairs per warp instruction) hit 32 distinct banks.
 constexpr int kBoxBytes = 64 * 64 * 2;
@@ -196,7 +211,8 @@ struct TileWalker {
   }
 };
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+// Fast division: the result is rounded to bf16, so its 2-ulp error does not show.
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 __device__ __forceinline__ __nv_bfloat162 pack(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
 
@@ -207,7 +223,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   constexpr bool AKMajor = S == GemmSchedule::kRows;
   const GroupedGemmArgs& args = p.args;
   extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  constexpr int kStages = Pipeline<E>::kStages;
+  auto& smem = *reinterpret_cast<SharedStorageOf<E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -307,8 +324,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   using MmaAtom = SM90_64x256x16_F32BF16BF16_SS<major<AKMajor>(), major<BKMajor>()>;
   auto tiled_mma = make_tiled_mma(MmaAtom{}, Layout<Shape<_2, _1, _1>>{});
   auto thr_mma = tiled_mma.get_slice(ct);
-  Tensor sA = make_tensor(make_smem_ptr(smem.a), ring_layout<AKMajor, 128>());
-  Tensor sB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, kGemmTileN>());
+  Tensor sA = make_tensor(make_smem_ptr(smem.a), ring_layout<AKMajor, 128, kStages>());
+  Tensor sB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, kGemmTileN, kStages>());
   Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA, 1, 4, stage) descriptors
   Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
   // Value i of a thread: row frag_row + 8 * ((i >> 1) & 1), column frag_col + 8 * (i >> 2) + (i & 1)
@@ -355,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
     // Epilogue: each consumer warpgroup writes its 64 rows as 64 x 64 boxes into its staging
     // slots (128-byte swizzled, conflict-free) and one thread hands them to TMA stores, which
-    // drain while the warpgroup already runs the next tile's mainloop. TMA clips rows past
+    // drain while the warpgroup fills the next boxes or runs the next tile's mainloop. TMA clips rows past
     // the tensor, and kRows tiles past the routed rows (k_tiles == 0) hold zeros.
     const int64_t n = args.n;
     const int wg = ct / 128;
@@ -366,18 +383,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const int frag_col = 2 * (wtid % 4);
     uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
     const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
-    // The accumulator as bf16 into boxes 0-1 (first half) and 2-3 (second half), the thread's two rows
+    // Column half j of the accumulator (128 columns) as bf16 into boxes 0-1, the thread's two rows
     // (frag_row, frag_row + 8) scaled by scale0 and scale1.
-    auto stage_accumulators = [&](float scale0, float scale1) {
+    auto stage_half = [&](int j, float scale0, float scale1) {
       staging_acquire(wg, wtid);
       CUTE_UNROLL
       for (int i = 0; i < kHalf; i += 2) {
-        const int half = (i >> 1) & 1;
-        const int r = frag_row + 8 * half;
+        const int r = frag_row + 8 * ((i >> 1) & 1);
         const int c = frag_col + 8 * (i >> 2);
-        const float scale = half ? scale1 : scale0;
-        put_pair(slots, c / 64, r, c % 64, pack(acc(i) * scale, acc(i + 1) * scale));
-        put_pair(slots, 2 + c / 64, r, c % 64, pack(acc(kHalf + i) * scale, acc(kHalf + i + 1) * scale));
+        const float scale = (i >> 1) & 1 ? scale1 : scale0;
+        put_pair(slots, c / 64, r, c % 64, pack(acc(kHalf * j + i) * scale, acc(kHalf * j + i + 1) * scale));
       }
       staging_release(wg);
     };
@@ -390,21 +405,28 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           scale[h] = tile.k_tiles > 0 && r < args.num_rows ? args.row_weight[r] : 0.0f;
         }
       }
-      stage_accumulators(scale[0], scale[1]);
-      if (wtid == 0) {
-        for (int b = 0; b < 4; ++b) tma_store(&p.tma_out, slots + b * kBoxBytes, tile.n_tile * kGemmTileN + 64 * b, row0);
-        store_commit();
-      }
-    } else if constexpr (E == GemmEpilogue::kSwiGLU) {
-      // The pre-activations are rounded to bf16 first, as kept for the backward.
-      if (args.out_h != nullptr) {
-        stage_accumulators(1.0f, 1.0f);
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        stage_half(j, scale[0], scale[1]);
         if (wtid == 0) {
-          for (int b = 0; b < 4; ++b) {
-            const int32_t col = (b < 2 ? 0 : int32_t(n)) + tile.n_tile * 128 + 64 * (b % 2);
-            tma_store(&p.tma_out2, slots + b * kBoxBytes, col, row0);
+          for (int b = 0; b < 2; ++b) {
+            tma_store(&p.tma_out, slots + b * kBoxBytes, tile.n_tile * kGemmTileN + 128 * j + 64 * b, row0);
           }
           store_commit();
+        }
+      }
+    } else if constexpr (E == GemmEpilogue::kSwiGLU) {
+      // The pre-activations, rounded to bf16 as kept for the backward: gate half, then up half.
+      if (args.out_h != nullptr) {
+        CUTE_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          stage_half(j, 1.0f, 1.0f);
+          if (wtid == 0) {
+            for (int b = 0; b < 2; ++b) {
+              tma_store(&p.tma_out2, slots + b * kBoxBytes, int32_t(n) * j + tile.n_tile * 128 + 64 * b, row0);
+            }
+            store_commit();
+          }
         }
       }
       staging_acquire(wg, wtid);
@@ -466,8 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           const int c = (frag_col + 8 * (i >> 2)) % 64;
           const float2 g = __bfloat1622float2(get_pair(slots, 0, r, c));
           const float2 u = __bfloat1622float2(get_pair(slots, 1, r, c));
-          const float s0 = 1.0f / (1.0f + __expf(-g.x));
-          const float s1 = 1.0f / (1.0f + __expf(-g.y));
+          const float s0 = __fdividef(1.0f, 1.0f + __expf(-g.x));
+          const float s1 = __fdividef(1.0f, 1.0f + __expf(-g.y));
           const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
           dot[half] += da0 * a.x + da1 * a.y;
           const float dw0 = da0 * w[half];
@@ -504,7 +526,7 @@ constexpr int kMaxDevices = 64;
 
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory ring too large");
+  static_assert(kSmemBytes<E> <= 227 * 1024, "shared memory ring too large");
   auto kernel = grouped_gemm_kernel<S, E, BKMajor, GatherA>;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -512,11 +534,11 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
   static std::atomic<bool> smem_set_on[kMaxDevices];  // the attribute is per device: set once on each
   if (device >= kMaxDevices) return cudaErrorInvalidDevice;
   if (!smem_set_on[device].load(std::memory_order_acquire)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes<E>));
     if (err != cudaSuccess) return err;
     smem_set_on[device].store(true, std::memory_order_release);
   }
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
+  kernel<<<grid, kThreads, kSmemBytes<E>, stream>>>(params);
   return cudaGetLastError();
 }
 
