@@ -93,6 +93,11 @@ def _slot_dot_fake(a, b, slot_to_row):
     return a.new_empty(slot_to_row.shape, dtype=torch.float32)
 
 
+@torch.library.register_fake("primemoe::copy_routed_rows")
+def _copy_routed_rows_fake(rows, expert_offsets):
+    return rows.new_empty(rows.shape)
+
+
 @torch.library.register_fake("primemoe::expert_gemm")
 def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None):
     return rows.new_empty(rows.shape[0], w.shape[2] if w_kn else w.shape[1])

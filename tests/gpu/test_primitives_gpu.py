@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import HOT_EXPERTS, OUTPUT_NAMES, make_problem, reference64, run_moe
+from helpers import HOT_EXPERTS, OUTPUT_NAMES, make_problem, poison_caching_allocator, reference64, run_moe
 
 import primemoe
 
@@ -99,6 +99,90 @@ def test_slot_dot_cuda_matches_cpu(shape):
     got = ops.slot_dot(a.cuda(), b.cuda(), slot_to_row.cuda())
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
     assert torch.all(got.cpu()[slot_to_row < 0] == 0)
+
+
+# ---------------------------------------------------------------- copy_routed_rows
+
+
+def routed_offsets(num_experts, routed, seed):
+    """int32 [E + 1] expert offsets on the CPU: random expert sizes (empty ones included) adding up to ``routed``."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(0, routed + 1, (num_experts - 1,), generator=gen).sort().values
+    return torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([routed])]).int()
+
+
+def random_rows(num_rows, width, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    """Random bit patterns (NaNs included: the copy is compared bitwise)."""
+    row_bytes = width * torch.empty(0, dtype=dtype).element_size()
+    return torch.randint(0, 256, (num_rows, row_bytes), generator=gen, dtype=torch.uint8).view(dtype).cuda()
+
+
+UNROUTED_BYTE = 0xA5  # every byte of the source rows past the bound: such a row in the copy was copied
+COPY_CASES = {
+    # name: (rows, width, dtype, experts, routed rows)
+    "nothing_routed": (5000, 2048, torch.bfloat16, 128, 0),  # T = 0: offsets all zero
+    "half_routed_30b_rows": (40000, 2048, torch.bfloat16, 128, 19937),
+    "all_routed": (4097, 2048, torch.bfloat16, 8, 4097),
+    "one_row": (1, 8, torch.bfloat16, 1, 1),
+    "one_row_of_many": (3000, 7168, torch.bfloat16, 16, 1),
+    "16_byte_rows": (70001, 8, torch.bfloat16, 32, 33333),  # more vectors than one pass of the grid
+    "fp32_rows": (3000, 12, torch.float32, 4, 1234),
+    "byte_rows": (999, 48, torch.uint8, 3, 998),
+    "bound_past_the_rows": (600, 64, torch.bfloat16, 2, 700),  # clamped: every row, nothing beyond
+}
+
+
+@pytest.mark.parametrize("case", COPY_CASES)
+def test_copy_routed_rows_copies_exactly_the_routed_rows(case):
+    num_rows, width, dtype, experts, routed = COPY_CASES[case]
+    rows = random_rows(num_rows, width, dtype, seed=num_rows)
+    bound = min(routed, num_rows)
+    rows.view(torch.uint8)[bound:] = UNROUTED_BYTE
+    offsets = routed_offsets(experts, routed, seed=width).cuda()
+    poison_caching_allocator()
+    got = ops.copy_routed_rows(rows, offsets)
+    assert got.shape == rows.shape and got.dtype == rows.dtype
+    got_bytes = got.view(torch.uint8)
+    assert torch.equal(got_bytes[:bound], rows.view(torch.uint8)[:bound])
+    assert not (got_bytes[bound:] == UNROUTED_BYTE).all(dim=1).any(), "a row past the bound was copied"
+
+
+def test_copy_routed_rows_graph_replay_equals_eager():
+    num_rows, width, experts = 9000, 2048, 128
+    rows = random_rows(num_rows, width, torch.bfloat16, seed=1)
+    offsets = routed_offsets(experts, 4000, seed=1).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.copy_routed_rows(rows, offsets)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ops.copy_routed_rows(rows, offsets)
+    for seed, routed in enumerate([0, 8999, 9000, 17, 4000]):
+        rows.copy_(random_rows(num_rows, width, torch.bfloat16, seed=seed + 2))
+        offsets.copy_(routed_offsets(experts, routed, seed=seed + 2))
+        graph.replay()
+        eager = ops.copy_routed_rows(rows, offsets)
+        assert torch.equal(static_out[:routed].view(torch.int16), eager[:routed].view(torch.int16)), routed
+        assert torch.equal(eager[:routed].view(torch.int16), rows[:routed].view(torch.int16)), routed
+
+
+def test_opcheck_copy_routed_rows_on_cuda():
+    # Every row routed: rows past the bound are undefined, and opcheck compares whole outputs.
+    rows = torch.randn(300, 64, device="cuda").bfloat16()
+    torch.library.opcheck(ops.copy_routed_rows, (rows, routed_offsets(4, 300, seed=3).cuda()))
+
+
+def test_copy_routed_rows_argument_checks_on_cuda():
+    rows = random_rows(32, 64, torch.bfloat16, seed=4)
+    offsets = routed_offsets(4, 20, seed=4)
+    with pytest.raises(RuntimeError, match="expert_offsets: expected it on the same device as the rows"):
+        ops.copy_routed_rows(rows, offsets)
+    misaligned = rows.view(-1)[4:4 + 31 * 64].view(31, 64)  # 8 bytes into the allocation
+    with pytest.raises(RuntimeError, match="rows: expected 16-byte aligned data"):
+        ops.copy_routed_rows(misaligned, offsets.cuda())
 
 
 # ---------------------------------------------------------------- device-side error record
