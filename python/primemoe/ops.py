@@ -213,7 +213,9 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine):
     """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
     *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed). Returns
     ``(dxs, dw1, dw2, dtw_rows)``; ``dtw_rows[r] = <dy_r, FC2 output_r>`` = ``<da_r, a_r>``
-    (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept."""
+    (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept.
+    Reads no row of ``xs`` past ``offsets[-1]`` (ep.py saves only those): the engine skips tiles past
+    the routed rows, ``torch._grouped_mm`` reads only the rows inside its groups."""
     if engine:
         if h is None:  # the pre-activations only: FC1 without its SwiGLU epilogue
             h = lib.expert_gemm(xs, w1, offsets, False)
