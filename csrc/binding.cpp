@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <tuple>
@@ -95,6 +96,10 @@ void check_index(const at::Tensor& t, const char* name, int64_t dims) {
   PRIMEMOE_CHECK(t.dim() == dims, name, ": expected a ", dims, "-D tensor, got ", t.sizes());
   PRIMEMOE_CHECK(t.scalar_type() == at::kInt, name, ": expected int32, got ", t.scalar_type());
   PRIMEMOE_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name) {
+  PRIMEMOE_CHECK(a.device() == b.device(), name, ": expected it on the same device as the rows");
 }
 
 ScaleType scale_type_of(const std::optional<at::Tensor>& s, const char* name) {
@@ -301,6 +306,41 @@ at::Tensor slot_dot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
 at::Tensor slot_dot_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
   check_slot_dot_args(a, b, slot_to_row);
   return (slot_rows_cpu(a, slot_to_row) * slot_rows_cpu(b, slot_to_row)).sum(-1);
+}
+
+// copy_routed_rows: a new tensor whose rows [0, expert_offsets[-1]) are those of `rows`; rows past
+// that bound are undefined (the GPU does not write them). The bound is read on the
+// device, so the copy needs no host sync and moves only the routed rows of a worst-case-sized region.
+void check_copy_routed_rows_args(const at::Tensor& rows, const at::Tensor& offsets) {
+  PRIMEMOE_CHECK(rows.dim() == 2, "rows: expected a 2-D tensor [rows, width], got ", rows.sizes());
+  PRIMEMOE_CHECK(rows.is_contiguous(), "rows: expected a contiguous tensor");
+  const int64_t row_bytes = rows.size(1) * rows.element_size();
+  PRIMEMOE_CHECK(row_bytes % 16 == 0, "rows: expected rows of a multiple of 16 bytes, got ", row_bytes);
+  check_index(offsets, "expert_offsets", 1);
+  PRIMEMOE_CHECK(offsets.numel() >= 1, "expert_offsets: expected at least one entry");
+  check_same_device(offsets, rows, "expert_offsets");
+}
+
+at::Tensor copy_routed_rows_cuda(const at::Tensor& rows, const at::Tensor& offsets) {
+  check_copy_routed_rows_args(rows, offsets);
+  PRIMEMOE_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "rows: expected 16-byte aligned data");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  auto out = at::empty_like(rows);
+  CopyRoutedRowsArgs a{};
+  a.src = rows.data_ptr();
+  a.dst = out.data_ptr();
+  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.num_experts = static_cast<int32_t>(offsets.numel() - 1);
+  a.num_rows = rows.size(0);
+  a.row_bytes = rows.size(1) * rows.element_size();
+  check_cuda(launch_copy_routed_rows(a, c10::cuda::getCurrentCUDAStream()), "copy_routed_rows");
+  return out;
+}
+
+// Copies every row: whatever a consumer reads past the bound stays what the source held there.
+at::Tensor copy_routed_rows_cpu(const at::Tensor& rows, const at::Tensor& offsets) {
+  check_copy_routed_rows_args(rows, offsets);
+  return rows.clone();
 }
 
 
@@ -525,10 +565,6 @@ void check_weights3(const at::Tensor& w, const char* name) {
   PRIMEMOE_CHECK(w.dim() == 3, name, ": expected a 3-D tensor [E, out, in], got ", w.sizes());
   PRIMEMOE_CHECK(w.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", w.scalar_type());
   PRIMEMOE_CHECK(w.is_contiguous(), name, ": expected a contiguous tensor");
-}
-
-void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name) {
-  PRIMEMOE_CHECK(a.device() == b.device(), name, ": expected it on the same device as the rows");
 }
 
 GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at::Tensor& a, const at::Tensor& b,
@@ -831,6 +867,7 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale) -> Tensor");
   m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
+  m.def("copy_routed_rows(Tensor rows, Tensor expert_offsets) -> Tensor");
   m.def("expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn, Tensor? row_weight=None) -> Tensor");
   m.def(
       "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
@@ -871,6 +908,7 @@ TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
   m.impl("gather_rows", &gather_rows_cuda);
   m.impl("combine_reduce", &combine_reduce_cuda);
   m.impl("slot_dot", &slot_dot_cuda);
+  m.impl("copy_routed_rows", &copy_routed_rows_cuda);
   m.impl("expert_gemm", &expert_gemm_cuda);
   m.impl("fc1_swiglu", &fc1_swiglu_cuda);
   m.impl("fc1_swiglu_gather", &fc1_swiglu_gather_cuda);
@@ -885,6 +923,7 @@ TORCH_LIBRARY_IMPL(primemoe, CPU, m) {
   m.impl("gather_rows", &gather_rows_cpu);
   m.impl("combine_reduce", &combine_reduce_cpu);
   m.impl("slot_dot", &slot_dot_cpu);
+  m.impl("copy_routed_rows", &copy_routed_rows_cpu);
   m.impl("expert_gemm", &expert_gemm_cpu);
   m.impl("fc1_swiglu", &fc1_swiglu_cpu);
   m.impl("fc1_swiglu_gather", &fc1_swiglu_gather_cpu);

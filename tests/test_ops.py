@@ -78,6 +78,19 @@ def test_opcheck_slot_dot(problem):
     torch.library.opcheck(ops.slot_dot, (a, b, slot_to_row))
 
 
+@pytest.mark.parametrize("dtype, width", [(torch.bfloat16, 16), (torch.float32, 4), (torch.uint8, 32)])
+def test_opcheck_copy_routed_rows(dtype, width):
+    rows = torch.randint(0, 100, (12, width)).to(dtype)
+    torch.library.opcheck(ops.copy_routed_rows, (rows, torch.tensor([0, 4, 4, 9], dtype=torch.int32)))
+
+
+def test_copy_routed_rows_keeps_the_routed_rows():
+    rows = torch.randn(12, 8).bfloat16()
+    got = ops.copy_routed_rows(rows, torch.tensor([0, 4, 4, 9], dtype=torch.int32))
+    assert got.shape == rows.shape and got.dtype == rows.dtype and got.data_ptr() != rows.data_ptr()
+    assert torch.equal(got[:9], rows[:9])
+
+
 @pytest.fixture
 def engine():
     return engine_operands([3, 0, 130], hidden=64, inter=256, seed=8)
@@ -243,6 +256,7 @@ x = torch.randn(9, 16).bfloat16()
 rows = torch.randn(18, 16).bfloat16()
 slot_to_row = torch.arange(18, dtype=torch.int32).view(9, 2)
 row_to_slot = torch.arange(18, dtype=torch.int32)
+offsets = torch.tensor([0, 5, 12], dtype=torch.int32)
 """
 CPP_ERRORS = {
     # name: (setup line, call, message pattern)
@@ -257,6 +271,13 @@ CPP_ERRORS = {
     "gather_scale_numel": ("", "ops.gather_rows(x, row_to_slot, 2, torch.ones(3))", "scale: expected 18 elements"),
     "combine_weights_shape": ("", "ops.combine_reduce(rows, slot_to_row, torch.ones(9, 3))", "weights: expected shape"),
     "slot_dot_shapes": ("", "ops.slot_dot(rows, rows[:4], slot_to_row)", "b: expected the shape of a"),
+    "copy_rows_1d": ("", "ops.copy_routed_rows(row_to_slot, offsets)", "rows: expected a 2-D tensor"),
+    "copy_rows_strided": ("", "ops.copy_routed_rows(rows.t(), offsets)", "rows: expected a contiguous tensor"),
+    "copy_rows_12_bytes": ("", "ops.copy_routed_rows(rows[:, :6].contiguous(), offsets)",
+                           "rows: expected rows of a multiple of 16 bytes, got 12"),
+    "copy_offsets_int64": ("", "ops.copy_routed_rows(rows, offsets.long())", "expert_offsets: expected int32"),
+    "copy_offsets_2d": ("", "ops.copy_routed_rows(rows, offsets.view(1, 3))", "expert_offsets: expected a 1-D"),
+    "copy_offsets_empty": ("", "ops.copy_routed_rows(rows, offsets[:0])", "expert_offsets: expected at least one"),
 }
 
 

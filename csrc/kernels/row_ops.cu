@@ -112,6 +112,28 @@ __global__ void __launch_bounds__(kRowThreads) slot_dot_kernel(SlotDotArgs a) {
   }
 }
 
+constexpr int kCopyThreads = 256;
+constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread
+constexpr int64_t kCopyMaxBlocks = 132 * 8;  // a full H200 at 2048 threads per SM
+
+__global__ void __launch_bounds__(kCopyThreads) copy_routed_rows_kernel(CopyRoutedRowsArgs a) {
+  const int64_t bound = a.expert_offsets[a.num_experts];
+  const int64_t routed = bound < 0 ? 0 : (bound > a.num_rows ? a.num_rows : bound);
+  const int64_t vecs = routed * (a.row_bytes / 16);
+  const uint4* __restrict__ src = static_cast<const uint4*>(a.src);
+  uint4* __restrict__ dst = static_cast<uint4*>(a.dst);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; v + (kCopyUnroll - 1) * stride < vecs; v += kCopyUnroll * stride) {
+    uint4 chunk[kCopyUnroll];
+#pragma unroll
+    for (int i = 0; i < kCopyUnroll; ++i) chunk[i] = src[v + i * stride];
+#pragma unroll
+    for (int i = 0; i < kCopyUnroll; ++i) dst[v + i * stride] = chunk[i];
+  }
+  for (; v < vecs; v += stride) dst[v] = src[v];
+}
+
 int grid_for(int64_t items) {
   // Enough blocks to fill 132 SMs several times over; kernels grid-stride past that.
   return static_cast<int>(std::min<int64_t>(items, 132 * 16));
@@ -137,6 +159,17 @@ cudaError_t launch_slot_dot(const SlotDotArgs& a, cudaStream_t stream) {
   if (a.width % kVec) return cudaErrorInvalidValue;
   if (a.num_slots == 0) return cudaSuccess;
   slot_dot_kernel<<<grid_for((a.num_slots + 3) / 4), kRowThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// The grid is sized for every row (the bound is not known on the host); the kernel stops at the bound.
+cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& a, cudaStream_t stream) {
+  if (a.row_bytes % 16 || a.num_experts < 0) return cudaErrorInvalidValue;
+  const int64_t max_vecs = a.num_rows * (a.row_bytes / 16);
+  if (max_vecs == 0) return cudaSuccess;
+  const int64_t per_block = int64_t(kCopyThreads) * kCopyUnroll;
+  const int64_t blocks = std::min((max_vecs + per_block - 1) / per_block, kCopyMaxBlocks);
+  copy_routed_rows_kernel<<<static_cast<int>(blocks), kCopyThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -1,6 +1,7 @@
 // Row movement between token order and the expert-major layout of dispatch_layout:
 // the permute into the expert GEMMs, the weighted combine back (fixed k order,
-// fp32 accumulation: bitwise deterministic) and the routing-weight gradient.
+// fp32 accumulation: bitwise deterministic), the routing-weight gradient, and a
+// copy of expert-major rows bounded by the device-side routed row count.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,8 +46,20 @@ struct SlotDotArgs {
   int32_t width;
 };
 
+// dst[r] = src[r] for the routed rows r < expert_offsets[num_experts] (the bound is read on the
+// device, clamped to [0, num_rows]); rows past it are not written. Rows are opaque bytes.
+struct CopyRoutedRowsArgs {
+  const void* src;  // [num_rows, row_bytes], 16-byte aligned
+  void* dst;        // same shape, 16-byte aligned
+  const int32_t* expert_offsets;  // [num_experts + 1]
+  int32_t num_experts;
+  int64_t num_rows;
+  int64_t row_bytes;  // a multiple of 16
+};
+
 cudaError_t launch_gather_rows(const GatherRowsArgs& args, cudaStream_t stream);
 cudaError_t launch_combine_reduce(const CombineReduceArgs& args, cudaStream_t stream);
 cudaError_t launch_slot_dot(const SlotDotArgs& args, cudaStream_t stream);
+cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& args, cudaStream_t stream);
 
 }  // namespace primemoe

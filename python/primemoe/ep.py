@@ -78,8 +78,10 @@ class _ExpertParallelMoE(torch.autograd.Function):
         if wants_grad:
             ctx.buffer = buffer
             ctx.engine = engine
-            # The next dispatch (of any layer sharing the buffer) overwrites the receive region.
-            ctx.save_for_backward(xs.clone(), h if keep_fc1 else None, topk_idx, topk_weights, w1, w2)
+            # The next dispatch (of any layer sharing the buffer) overwrites the receive region. Only the
+            # routed rows [0, offsets[-1]) are copied: the backward reads no row past them.
+            xs_routed = lib.copy_routed_rows(xs, offsets)
+            ctx.save_for_backward(xs_routed, h if keep_fc1 else None, topk_idx, topk_weights, w1, w2)
         return y
 
     @staticmethod

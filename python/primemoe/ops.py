@@ -93,6 +93,11 @@ def _slot_dot_fake(a, b, slot_to_row):
     return a.new_empty(slot_to_row.shape, dtype=torch.float32)
 
 
+@torch.library.register_fake("primemoe::copy_routed_rows")
+def _copy_routed_rows_fake(rows, expert_offsets):
+    return rows.new_empty(rows.shape)
+
+
 @torch.library.register_fake("primemoe::expert_gemm")
 def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None):
     return rows.new_empty(rows.shape[0], w.shape[2] if w_kn else w.shape[1])
@@ -208,7 +213,9 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine):
     """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
     *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed). Returns
     ``(dxs, dw1, dw2, dtw_rows)``; ``dtw_rows[r] = <dy_r, FC2 output_r>`` = ``<da_r, a_r>``
-    (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept."""
+    (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept.
+    Reads no row of ``xs`` past ``offsets[-1]`` (ep.py saves only those): the engine skips tiles past
+    the routed rows, ``torch._grouped_mm`` reads only the rows inside its groups."""
     if engine:
         if h is None:  # the pre-activations only: FC1 without its SwiGLU epilogue
             h = lib.expert_gemm(xs, w1, offsets, False)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import HOT_EXPERTS, OUTPUT_NAMES, make_problem, reference64, run_moe
+from helpers import HOT_EXPERTS, OUTPUT_NAMES, make_problem, poison_caching_allocator, reference64, run_moe
 
 import primemoe
 
@@ -13,7 +13,7 @@ ops = torch.ops.primemoe
 
 def layout_ids(tokens, top_k, num_experts, kind, seed, dtype=torch.int64):
     """Expert ids on the CPU: "random" (any id in [-1, E), duplicates included), "skewed"
-    (90% of the slots on HOT_EXPERTS experts, the rest random) or "one_expert"."""
+    (90% of the slots on HOT_EXPERTS experts, the rest random), "one_expert" or "all_skipped"."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(-1, num_experts, (tokens, top_k), generator=gen)
     if kind == "skewed":
@@ -21,27 +21,43 @@ def layout_ids(tokens, top_k, num_experts, kind, seed, dtype=torch.int64):
         ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.9, hot, ids)
     elif kind == "one_expert":
         ids = torch.full_like(ids, num_experts // 2)
+    elif kind == "all_skipped":
+        ids = torch.full_like(ids, -1)
     elif kind != "random":
         raise ValueError(kind)
     return ids.to(dtype)
 
 
 LAYOUT_NAMES = ("expert_counts", "expert_offsets", "slot_to_row", "row_to_slot")
+# Blocks of dispatch_layout.cuh: 1024 slots, more when blocks * num_local would pass 16384;
+# warps take runs of 32-slot groups, 4 groups per batch of loads.
 LAYOUT_CASES = {
     # name: (tokens, top_k, num_experts, expert_begin, num_local, kind)
     "no_tokens": (0, 8, 128, 0, 128, "random"),
+    "no_tokens_max_local": (0, 8, 1024, 0, 1024, "random"),  # only -1 rows
     "one_slot": (1, 1, 8, 0, 8, "random"),
-    "one_block_exactly": (512, 8, 128, 0, 128, "random"),  # 4096 slots
-    "13_blocks": (6250, 8, 128, 0, 128, "random"),  # 50000 slots
-    "13_blocks_skewed": (6250, 8, 128, 0, 128, "skewed"),
-    "13_blocks_one_expert": (6250, 8, 128, 0, 128, "one_expert"),
+    "15_slots": (3, 5, 4, 0, 4, "random"),  # one partial group
+    "one_block_exactly": (128, 8, 128, 0, 128, "random"),
+    "4_blocks": (512, 8, 128, 0, 128, "random"),
+    "49_blocks_last_partial": (6250, 8, 128, 0, 128, "random"),
+    "49_blocks_skewed": (6250, 8, 128, 0, 128, "skewed"),
+    "49_blocks_one_expert": (6250, 8, 128, 0, 128, "one_expert"),
+    "49_blocks_all_skipped": (6250, 8, 128, 0, 128, "all_skipped"),
     "second_half_local": (6001, 8, 256, 128, 128, "random"),
     "middle_subset_skewed": (3000, 4, 64, 3, 17, "skewed"),
+    "100_of_200_local": (7000, 8, 200, 50, 100, "random"),  # two threads sum each expert's counts
+    "one_local_expert": (5000, 8, 8, 0, 1, "random"),
+    "300_local": (20000, 3, 300, 0, 300, "random"),  # more experts than threads; 1280-slot blocks
     "max_local_experts": (1500, 8, 1024, 0, 1024, "random"),
+    "max_local_16_blocks": (20000, 8, 1024, 0, 1024, "skewed"),  # 10240 slots per block
+    "max_local_one_expert": (20000, 8, 1024, 0, 1024, "one_expert"),
+    "qwen3_30b_16k_tokens": (16384, 8, 128, 0, 128, "skewed"),  # 128 blocks: the count-matrix bound
+    "qwen3_30b_64k_tokens": (65536, 8, 128, 0, 128, "random"),  # 4096 slots per block
+    "256_experts_half_local": (16384, 8, 256, 128, 128, "skewed"),
 }
 
 
-@pytest.mark.parametrize("row_align", [1, 128])
+@pytest.mark.parametrize("row_align", [1, 7, 128])
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("case", LAYOUT_CASES)
 def test_dispatch_layout_cuda_equals_cpu(case, idx_dtype, row_align):
@@ -52,6 +68,38 @@ def test_dispatch_layout_cuda_equals_cpu(case, idx_dtype, row_align):
     for name, g, w in zip(LAYOUT_NAMES, got, want):
         assert g.is_cuda and g.dtype == torch.int32, name
         assert torch.equal(g.cpu(), w), f"{name}: CUDA != CPU"
+
+
+@pytest.mark.parametrize("case", ["no_tokens_max_local", "49_blocks_skewed", "max_local_16_blocks"])
+def test_dispatch_layout_overwrites_poisoned_memory(case):
+    """No memset: every output element, -1 rows included, is written by the kernels."""
+    tokens, top_k, num_experts, begin, num_local, kind = LAYOUT_CASES[case]
+    ids = layout_ids(tokens, top_k, num_experts, kind, seed=tokens + 1)
+    want = ops.dispatch_layout(ids, num_experts, begin, num_local, 128)
+    ids = ids.cuda()
+    poison_caching_allocator()
+    got = ops.dispatch_layout(ids, num_experts, begin, num_local, 128)
+    for name, g, w in zip(LAYOUT_NAMES, got, want):
+        assert torch.equal(g.cpu(), w), f"{name}: CUDA != CPU on poisoned memory"
+
+
+def test_dispatch_layout_graph_replay_equals_cpu():
+    tokens, top_k, num_experts = 6250, 8, 128
+    static_ids = layout_ids(tokens, top_k, num_experts, "random", seed=1).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.dispatch_layout(static_ids, num_experts, 0, num_experts, 128)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ops.dispatch_layout(static_ids, num_experts, 0, num_experts, 128)
+    for seed, kind in enumerate(["skewed", "one_expert", "all_skipped", "random"]):
+        ids = layout_ids(tokens, top_k, num_experts, kind, seed=seed + 2)
+        static_ids.copy_(ids)
+        graph.replay()
+        for name, g, w in zip(LAYOUT_NAMES, static_out, ops.dispatch_layout(ids, num_experts, 0, num_experts, 128)):
+            assert torch.equal(g.cpu(), w), f"{name} after replaying with {kind} routing"
 
 
 def rows_problem(tokens, top_k, hidden, seed):
@@ -99,6 +147,90 @@ def test_slot_dot_cuda_matches_cpu(shape):
     got = ops.slot_dot(a.cuda(), b.cuda(), slot_to_row.cuda())
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
     assert torch.all(got.cpu()[slot_to_row < 0] == 0)
+
+
+# ---------------------------------------------------------------- copy_routed_rows
+
+
+def routed_offsets(num_experts, routed, seed):
+    """int32 [E + 1] expert offsets on the CPU: random expert sizes (empty ones included) adding up to ``routed``."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(0, routed + 1, (num_experts - 1,), generator=gen).sort().values
+    return torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([routed])]).int()
+
+
+def random_rows(num_rows, width, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    """Random bit patterns (NaNs included: the copy is compared bitwise)."""
+    row_bytes = width * torch.empty(0, dtype=dtype).element_size()
+    return torch.randint(0, 256, (num_rows, row_bytes), generator=gen, dtype=torch.uint8).view(dtype).cuda()
+
+
+UNROUTED_BYTE = 0xA5  # every byte of the source rows past the bound: such a row in the copy was copied
+COPY_CASES = {
+    # name: (rows, width, dtype, experts, routed rows)
+    "nothing_routed": (5000, 2048, torch.bfloat16, 128, 0),  # T = 0: offsets all zero
+    "half_routed_30b_rows": (40000, 2048, torch.bfloat16, 128, 19937),
+    "all_routed": (4097, 2048, torch.bfloat16, 8, 4097),
+    "one_row": (1, 8, torch.bfloat16, 1, 1),
+    "one_row_of_many": (3000, 7168, torch.bfloat16, 16, 1),
+    "16_byte_rows": (70001, 8, torch.bfloat16, 32, 33333),  # more vectors than one pass of the grid
+    "fp32_rows": (3000, 12, torch.float32, 4, 1234),
+    "byte_rows": (999, 48, torch.uint8, 3, 998),
+    "bound_past_the_rows": (600, 64, torch.bfloat16, 2, 700),  # clamped: every row, nothing beyond
+}
+
+
+@pytest.mark.parametrize("case", COPY_CASES)
+def test_copy_routed_rows_copies_exactly_the_routed_rows(case):
+    num_rows, width, dtype, experts, routed = COPY_CASES[case]
+    rows = random_rows(num_rows, width, dtype, seed=num_rows)
+    bound = min(routed, num_rows)
+    rows.view(torch.uint8)[bound:] = UNROUTED_BYTE
+    offsets = routed_offsets(experts, routed, seed=width).cuda()
+    poison_caching_allocator()
+    got = ops.copy_routed_rows(rows, offsets)
+    assert got.shape == rows.shape and got.dtype == rows.dtype
+    got_bytes = got.view(torch.uint8)
+    assert torch.equal(got_bytes[:bound], rows.view(torch.uint8)[:bound])
+    assert not (got_bytes[bound:] == UNROUTED_BYTE).all(dim=1).any(), "a row past the bound was copied"
+
+
+def test_copy_routed_rows_graph_replay_equals_eager():
+    num_rows, width, experts = 9000, 2048, 128
+    rows = random_rows(num_rows, width, torch.bfloat16, seed=1)
+    offsets = routed_offsets(experts, 4000, seed=1).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.copy_routed_rows(rows, offsets)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ops.copy_routed_rows(rows, offsets)
+    for seed, routed in enumerate([0, 8999, 9000, 17, 4000]):
+        rows.copy_(random_rows(num_rows, width, torch.bfloat16, seed=seed + 2))
+        offsets.copy_(routed_offsets(experts, routed, seed=seed + 2))
+        graph.replay()
+        eager = ops.copy_routed_rows(rows, offsets)
+        assert torch.equal(static_out[:routed].view(torch.int16), eager[:routed].view(torch.int16)), routed
+        assert torch.equal(eager[:routed].view(torch.int16), rows[:routed].view(torch.int16)), routed
+
+
+def test_opcheck_copy_routed_rows_on_cuda():
+    # Every row routed: rows past the bound are undefined, and opcheck compares whole outputs.
+    rows = torch.randn(300, 64, device="cuda").bfloat16()
+    torch.library.opcheck(ops.copy_routed_rows, (rows, routed_offsets(4, 300, seed=3).cuda()))
+
+
+def test_copy_routed_rows_argument_checks_on_cuda():
+    rows = random_rows(32, 64, torch.bfloat16, seed=4)
+    offsets = routed_offsets(4, 20, seed=4)
+    with pytest.raises(RuntimeError, match="expert_offsets: expected it on the same device as the rows"):
+        ops.copy_routed_rows(rows, offsets)
+    misaligned = rows.view(-1)[4:4 + 31 * 64].view(31, 64)  # 8 bytes into the allocation
+    with pytest.raises(RuntimeError, match="rows: expected 16-byte aligned data"):
+        ops.copy_routed_rows(misaligned, offsets.cuda())
 
 
 # ---------------------------------------------------------------- device-side error record
