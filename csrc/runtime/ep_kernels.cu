@@ -3,12 +3,14 @@
 #include <nvshmemx.h>
 
 #include "../kernels/device_wait.cuh"
+#include "../kernels/dispatch_layout.cuh"
 #include "ep_kernels.cuh"
 
 namespace primemoe {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kMaxExperts = kLayoutMaxLocalExperts;  // W * E_local, checked by the binding
 constexpr int kVec = 8;  // bf16 per 16-byte access
 
 template <typename T>
@@ -141,42 +143,54 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
     wait_at_least(count_flags + src, epoch, a.timeout_ns, a.error, me, src, -1, kWaitCounts);
   __syncthreads();
 
-  auto count = [&](int src, int dest, int e) { return matrix[(int64_t(src) * W + dest) * E + e]; };
-  if (threadIdx.x == 0) {
-    int32_t offset = 0;
-    for (int e = 0; e < E; ++e) {
-      int32_t total = 0;
-      for (int src = 0; src < W; ++src) total += count(src, me, e);
-      a.expert_counts[e] = total;
-      a.expert_offsets[e] = offset;
-      offset += padded(total, c.row_align);
+  // The layouts below come from shared memory: loops over global memory in one thread would pay a
+  // memory latency per expert.
+  __shared__ int32_t pair_rows[kMaxExperts];    // [dest][e]: rows all sources send to (dest, e)
+  __shared__ int32_t pair_before[kMaxExperts];  // [dest][e]: rows of the sources before this rank
+  __shared__ int32_t recv_offset[kMaxExperts + 1];
+  __shared__ int32_t recv_rows_from[kMaxExperts];  // [src], W <= W * E
+  for (int i = threadIdx.x; i < W; i += blockDim.x) recv_rows_from[i] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
+    const int dest = i / E, e = i % E;
+    int32_t total = 0, before = 0;
+    for (int src = 0; src < W; ++src) {
+      const int32_t rows = matrix[(int64_t(src) * W + dest) * E + e];
+      total += rows;
+      if (src < me) before += rows;
+      if (dest == me && rows > 0) atomicAdd(&recv_rows_from[src], rows);
     }
-    a.expert_offsets[E] = offset;
+    pair_rows[i] = total;
+    pair_before[i] = before;
   }
-  for (int src = threadIdx.x; src < W; src += blockDim.x) {
-    int32_t rows = 0;
-    for (int e = 0; e < E; ++e) rows += count(src, me, e);
-    a.scratch.recv_from[src] = rows;
-  }
+  __syncthreads();
+  // Each destination's experts in order, padded: this rank's send bases there, and for dest == me the
+  // receive layout.
   for (int dest = threadIdx.x; dest < W; dest += blockDim.x) {
     int32_t offset = 0;
     for (int e = 0; e < E; ++e) {
-      int32_t total = 0, before = 0;
-      for (int src = 0; src < W; ++src) {
-        total += count(src, dest, e);
-        if (src < me) before += count(src, dest, e);
+      const int32_t total = pair_rows[dest * E + e];
+      a.scratch.send_base[dest * E + e] = offset + pair_before[dest * E + e];
+      if (dest == me) {
+        a.expert_counts[e] = total;
+        a.expert_offsets[e] = offset;
+        recv_offset[e] = offset;
       }
-      a.scratch.send_base[dest * E + e] = offset + before;
       offset += padded(total, c.row_align);
     }
+    if (dest == me) {
+      a.expert_offsets[E] = offset;
+      recv_offset[E] = offset;
+    }
   }
+  for (int src = threadIdx.x; src < W; src += blockDim.x) a.scratch.recv_from[src] = recv_rows_from[src];
   __syncthreads();
   // Padding rows: no source, weight 0 (the expert GEMMs read the weights of every row in a tile).
   int32_t* meta = region<int32_t>(a.workspace, a.layout.recv_meta);
   float* weights = region<float>(a.workspace, a.layout.recv_weights);
-  for (int e = 0; e < E; ++e) {
-    for (int32_t r = a.expert_offsets[e] + a.expert_counts[e] + threadIdx.x; r < a.expert_offsets[e + 1];
-         r += blockDim.x) {
+  const int lane = threadIdx.x % 32;
+  for (int e = threadIdx.x / 32; e < E; e += blockDim.x / 32) {
+    for (int32_t r = recv_offset[e] + pair_rows[me * E + e] + lane; r < recv_offset[e + 1]; r += 32) {
       meta[r] = -1;
       weights[r] = 0.0f;
     }
