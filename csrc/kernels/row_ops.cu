@@ -39,47 +39,31 @@ __device__ __forceinline__ uint4 pack(const float (&f)[kVec]) {
   return v;
 }
 
-__device__ __forceinline__ uint4 scaled(const uint4& v, float s) {
-  float f[kVec];
-  unpack(v, f);
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) f[i] *= s;
-  return pack(f);
-}
-
-// Row copies are bound by memory latency unless each thread has several loads in flight before
-// its first store.
-constexpr int kRowUnroll = 4;
-
 __global__ void __launch_bounds__(kRowThreads) gather_rows_kernel(GatherRowsArgs a) {
   const int vecs = a.hidden / kVec;
   for (int64_t r = blockIdx.x; r < a.num_rows; r += gridDim.x) {
     const int32_t slot = a.row_to_slot[r];
-    uint4* __restrict__ dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.dst) + r * a.hidden);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.dst) + r * a.hidden);
     if (slot < 0) {
-      for (int v = threadIdx.x; v < vecs; v += kRowThreads) dst[v] = make_uint4(0, 0, 0, 0);
+      for (int v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
       continue;
     }
-    const uint4* __restrict__ src =
+    const uint4* src =
         reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.src) + int64_t(slot / a.top_k) * a.hidden);
-    const bool scale = a.scale_type != ScaleType::kNone;
-    const float s = scale ? load_scale(a.scale, a.scale_type, slot) : 1.0f;
-    for (int v0 = threadIdx.x; v0 < vecs; v0 += kRowThreads * kRowUnroll) {
-      uint4 buf[kRowUnroll];
+    if (a.scale_type == ScaleType::kNone) {
+      for (int v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = src[v];
+      continue;
+    }
+    const float s = load_scale(a.scale, a.scale_type, slot);
+    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+      float f[kVec];
+      unpack(src[v], f);
 #pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
-        if (v0 + u * kRowThreads < vecs) buf[u] = __ldg(src + v0 + u * kRowThreads);
-      }
-#pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
-        if (v0 + u * kRowThreads < vecs) dst[v0 + u * kRowThreads] = scale ? scaled(buf[u], s) : buf[u];
-      }
+      for (int i = 0; i < kVec; ++i) f[i] *= s;
+      dst[v] = pack(f);
     }
   }
 }
-
-// A token's slots whose rows are loaded together, before they are summed in slot order.
-constexpr int kCombineSlots = 8;
 
 __global__ void __launch_bounds__(kRowThreads) combine_reduce_kernel(CombineReduceArgs a) {
   const int vecs = a.hidden / kVec;
@@ -88,28 +72,15 @@ __global__ void __launch_bounds__(kRowThreads) combine_reduce_kernel(CombineRedu
     uint4* y = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.y) + t * a.hidden);
     for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
       float acc[kVec] = {};
-      for (int k0 = 0; k0 < a.top_k; k0 += kCombineSlots) {
-        uint4 buf[kCombineSlots];
-        float w[kCombineSlots];
-        bool routed[kCombineSlots];
+      for (int k = 0; k < a.top_k; ++k) {
+        const int64_t slot = t * a.top_k + k;
+        const int32_t row = a.slot_to_row[slot];
+        if (row < 0) continue;
+        const float w = load_scale(a.weights, a.weight_type, slot);
+        float f[kVec];
+        unpack(reinterpret_cast<const uint4*>(rows + int64_t(row) * a.hidden)[v], f);
 #pragma unroll
-        for (int j = 0; j < kCombineSlots; ++j) {
-          const int64_t slot = t * a.top_k + k0 + j;
-          const int32_t row = k0 + j < a.top_k ? a.slot_to_row[slot] : -1;
-          routed[j] = row >= 0;
-          if (routed[j]) {
-            w[j] = load_scale(a.weights, a.weight_type, slot);
-            buf[j] = __ldg(reinterpret_cast<const uint4*>(rows + int64_t(row) * a.hidden) + v);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kCombineSlots; ++j) {
-          if (!routed[j]) continue;
-          float f[kVec];
-          unpack(buf[j], f);
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) acc[i] = fmaf(w[j], f[i], acc[i]);
-        }
+        for (int i = 0; i < kVec; ++i) acc[i] = fmaf(w, f[i], acc[i]);
       }
       y[v] = pack(acc);
     }
