@@ -409,7 +409,7 @@ class _ShapeContext:
         self.args, self.group, self.shape, self.max_tokens = args, group, shape, max_tokens
         self._key = self._buffer = None
 
-    def buffer(self, precision: str = "bf16", num_sms: int = 24):
+    def buffer(self, precision: str = "bf16", num_sms: int = 16):
         import primemoe
         from primemoe.buffer import ROW_ALIGN, SYMMETRIC_HEAP_MARGIN, EpConfig, ep_layout, ep_transport
         if self._key != (precision, num_sms):
