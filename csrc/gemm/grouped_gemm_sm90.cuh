@@ -39,10 +39,11 @@ constexpr uint32_t kStageBytes = 3 * kSubTileElems * 2;
 constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of a stage
 
 // Ring depth and epilogue staging (64 x 64 bf16 boxes per consumer warpgroup) share shared memory:
-// 4 stages leave room for 2 boxes, 3 stages for 4. Measured (H200, Qwen3-30B, T = 16384): FC1
-// (K = 2048) 1.30 ms with 4 stages vs 1.61 with 3, its loads then run 3 k-slices ahead; the plain
-// stores (FC2, FC1 dgrad, wgrad) lose 0-8% with 4 stages, since their epilogue then waits between
-// two rounds of boxes. FC2 dgrad's epilogue needs 3 boxes at once.
+// 4 stages leave room for 2 boxes, 3 stages for 4. FC1 (H200, Qwen3-30B, T = 16384) went from 1.61
+// to 1.30 ms with 4 stages, 2 boxes and the fast SiLU division together. The plain-store variants
+// (FC2, FC1 dgrad, wgrad) measured 4-8% slower with 4 stages (their epilogue then waits between two
+// rounds of boxes), about the spread between machines, so they keep 3 stages and one round.
+// FC2 dgrad's epilogue needs 3 boxes at once.
 template <GemmEpilogue E>
 struct Pipeline {
   static constexpr int kStages = E == GemmEpilogue::kSwiGLU ? 4 : 3;
