@@ -58,7 +58,8 @@ std::string describe_error(const ErrorRecord& rec) {
   if (rec.code == kWaitTimeout) {
     static const char* what[] = {"its send counts", "its rows for local expert ", "its combine results",
                                  "the rows of local expert "};
-    const int64_t phase = rec.index1 >= 0 && rec.index1 < 4 ? rec.index1 : 0;
+    static_assert(sizeof(what) / sizeof(what[0]) == kWaitPhases, "one description per WaitPhase");
+    const int64_t phase = rec.index1 >= 0 && rec.index1 < kWaitPhases ? rec.index1 : 0;
     const std::string awaited = rec.value >= 0 ? "rank " + std::to_string(rec.value) : "a source rank";
     const bool names_expert = phase == kWaitArrivals || phase == kWaitGemmRows;
     return "primemoe: rank " + std::to_string(rec.limit) + " timed out waiting for " + awaited + " (" +
@@ -182,7 +183,7 @@ LayoutResult dispatch_layout_cpu(const at::Tensor& topk_idx, int64_t num_experts
   int32_t offset = 0;
   for (int64_t e = 0; e < num_local; ++e) {
     o[e] = next[e] = offset;
-    offset += (c[e] + row_align - 1) / row_align * row_align;
+    offset += layout_padded(c[e], row_align);
   }
   o[num_local] = offset;
   int32_t* s2r = slot_to_row.data_ptr<int32_t>();

@@ -49,7 +49,6 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 // major * 10 + minor, asked once per device (every GEMM launch checks it).
 int compute_capability(int device) {
-  constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];
   if (device < 0 || device >= kMaxDevices) return 0;
   int cc = known[device].load(std::memory_order_relaxed);
@@ -77,8 +76,7 @@ bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, in
   if (compute_capability(device) != 90) return no("the grouped GEMM kernels need an sm_90 GPU");
 #endif
   if (encode_tiled() == nullptr) return no("the driver lacks cuTensorMapEncodeTiled");
-  const int64_t n_step = epilogue == GemmEpilogue::kSwiGLU ? 128 : kGemmTileN;
-  if (n <= 0 || n % n_step != 0) return no("the output width is not a multiple of the tile width");
+  if (n <= 0 || n % gemm_tile_n(epilogue) != 0) return no("the output width is not a multiple of the tile width");
   if (schedule == GemmSchedule::kRows && (k <= 0 || k % kGemmTileK != 0)) {
     return no("the reduction length is not a multiple of 64");
   }
@@ -92,8 +90,9 @@ bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, in
 
 bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
   if (!shape_supported(a.schedule, a.epilogue, a.m, a.n, a.k, device, why)) return false;
-  if (a.a_row_src != nullptr && (a.a_src_div < 1 || a.hook.counters != nullptr)) {
-    if (why != nullptr) *why = "a gathered A operand needs a positive row divisor and takes no rows-ready hook";
+  const bool fc1 = a.schedule == GemmSchedule::kRows && a.epilogue == GemmEpilogue::kSwiGLU && a.b_k_major;
+  if (a.a_row_src != nullptr && (!fc1 || a.a_src_div < 1 || a.hook.counters != nullptr)) {
+    if (why != nullptr) *why = "only FC1 gathers its A rows, with a positive row divisor and no rows-ready hook";
     return false;
   }
   if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out) || !aligned16(a.out_h) || !aligned16(a.in_h) ||
@@ -145,11 +144,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, 64);
   if (err != cudaSuccess) return err;
   const int grid = a.num_sms > 0 ? a.num_sms : 1;
-  if (a.a_row_src != nullptr) {  // only FC1 gathers its rows
-    const bool fc1 = a.schedule == GemmSchedule::kRows && a.epilogue == GemmEpilogue::kSwiGLU && a.b_k_major;
-    return fc1 ? launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true>(params, grid, stream)
-               : cudaErrorNotSupported;
-  }
+  if (a.a_row_src != nullptr) return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true>(params, grid, stream);
   switch (a.schedule) {
     case GemmSchedule::kRows:
       switch (a.epilogue) {

@@ -1,5 +1,5 @@
 // Expert-grouped BF16 GEMMs of the MoE layer on Hopper: one persistent,
-// warp-specialised kernel family (TMA producer warp, two wgmma consumer warpgroups)
+// warp-specialised kernel family (a producer warpgroup feeding two wgmma consumer warpgroups)
 // whose tile scheduler walks the routing layout's device-side expert offsets.
 //
 // Row space: the expert-major rows of dispatch_layout with row_align = kGemmRowAlign,
@@ -24,6 +24,8 @@ namespace primemoe {
 constexpr int32_t kGemmRowAlign = 128;  // tile height; also the expert row alignment
 constexpr int32_t kGemmTileN = 256;     // output columns per tile (two 128-column halves)
 constexpr int32_t kGemmTileK = 64;
+constexpr int kMaxDevices = 64;         // per-device caches of the host side
+
 
 enum class GemmSchedule : int32_t { kRows = 0, kExperts = 1 };
 
@@ -32,6 +34,10 @@ enum class GemmEpilogue : int32_t {
   kSwiGLU = 1,          // FC1: halves are gate / up; out = bf16(silu(g) * u), h = [g | u] if kept
   kSwiGLUBackward = 2,  // FC2 dgrad: acc = da; writes dh = d[g | u] (weighted), aw = w * a, <da, a> partials
 };
+
+// Output columns a tile writes: FC1's 256 accumulator columns are 128 gate and the 128 matching up
+// columns, which make 128 activation columns.
+constexpr int32_t gemm_tile_n(GemmEpilogue e) { return e == GemmEpilogue::kSwiGLU ? 128 : kGemmTileN; }
 
 // Producer-side wait before an expert's first rows are loaded: counters[e] >= *epoch * per_epoch.
 struct RowsReadyHook {
@@ -45,12 +51,13 @@ struct RowsReadyHook {
 struct GroupedGemmArgs {
   GemmSchedule schedule;
   GemmEpilogue epilogue;
-  // kRows: a = rows [num_rows, k] (K-major); b = weights [E, n, k] (b_k_major) or [E, k, n].
+  // kRows: a = rows [num_rows, k] (K-major; gathered: the tokens, see a_row_src); b = weights [E, n, k]
+  // (b_k_major) or [E, k, n].
   // kExperts: a = rows [num_rows, m], b = rows [num_rows, n]; both reduced over each expert's rows.
   const void* a;
   const void* b;
   bool b_k_major;
-  int64_t num_rows;  // allocated rows of the row operands (>= expert_offsets[E])
+  int64_t num_rows;  // allocated rows of the row operands and outputs (>= expert_offsets[E])
   int32_t m;         // kExperts only: output rows per expert
   int32_t n;         // output columns (kSwiGLU: of the activation, i.e. half of b's rows)
   int32_t k;         // kRows only: reduction length

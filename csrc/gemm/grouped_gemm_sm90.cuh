@@ -43,7 +43,8 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 // to 1.30 ms with 4 stages, 2 boxes and the fast SiLU division together. The plain-store variants
 // (FC2, FC1 dgrad, wgrad) measured 4-8% slower with 4 stages (their epilogue then waits between two
 // rounds of boxes), about the spread between machines, so they keep 3 stages and one round.
-// FC2 dgrad's epilogue needs 3 boxes at once.
+// FC2 dgrad's epilogue uses 3 of its 4 boxes at once (gate, up, weighted activation): with 3 stages
+// there is room for 4 either way, and a 4th stage would not fit beside 3.
 template <GemmEpilogue E>
 struct Pipeline {
   static constexpr int kStages = E == GemmEpilogue::kSwiGLU ? 4 : 3;
@@ -121,9 +122,10 @@ __device__ __forceinline__ void load_tile(const CUtensorMap* map, uint64_t* bar,
   }
 }
 
-// Epilogue staging: per consumer warpgroup, Pipeline::kBoxes 64 x 64 bf16 boxes in TMA's 128-byte swizzle
-// (16-byte chunk c of row r sits at chunk c ^ (r % 8)), so the accumulator layout's writes
-// (8 rows x 4 column pairs per warp instruction) hit 32 distinct banks.
+// TMA's 128-byte swizzle of 64-element bf16 rows: 16-byte chunk c of row r sits at chunk c ^ (r % 8).
+// The epilogue's staging boxes (Pipeline::kBoxes of 64 x 64 per consumer warpgroup) use it, so the
+// accumulator layout's writes (8 rows x 4 column pairs per warp instruction) hit 32 distinct banks,
+// and so does the gathered A.
 constexpr int kBoxBytes = 64 * 64 * 2;
 
 __device__ __forceinline__ uint32_t swizzled(int r, int c) {
@@ -184,7 +186,7 @@ struct TileWalker {
   int32_t expert = 0;
 
   __device__ explicit TileWalker(const GroupedGemmArgs& a) : args(a) {
-    n_tiles = E == GemmEpilogue::kSwiGLU ? a.n / 128 : a.n / kGemmTileN;
+    n_tiles = a.n / gemm_tile_n(E);
     if constexpr (S == GemmSchedule::kRows) {
       // Every allocated row gets a tile: rows past the last expert are written as zeros, so no
       // output element is left undefined.
@@ -292,8 +294,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           for (int j = 0; j < 2; ++j) {
             bfloat16_t* sb = smem.b + (2 * stage + j) * kSubTileElems;
             if constexpr (S == GemmSchedule::kRows) {
-              const int32_t n0 = E == GemmEpilogue::kSwiGLU ? tile.n_tile * 128 + j * args.n
-                                                            : tile.n_tile * kGemmTileN + j * 128;
+              // Weight half j: FC1's up rows are n rows past its gate rows.
+              const int32_t n0 = tile.n_tile * gemm_tile_n(E) + j * (E == GemmEpilogue::kSwiGLU ? args.n : 128);
               load_tile<BKMajor>(&p.tma_b, bar, sb, n0, k0, tile.expert);
             } else {
               load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
@@ -301,10 +303,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           }
         }
         if constexpr (GatherA) {
-          // Chunk c of row r sits at chunk c ^ (r % 8): the 128-byte swizzle TMA would apply
-          // (r % 8 is the same for all of this thread's rows).
+          // The 128-byte swizzle TMA would apply; r % 8 is the same for all of this thread's rows.
           const int chunk = ptid % 8;
-          const uint32_t dst = smem_addr(sa) + (ptid / 8) * 128 + ((chunk ^ ((ptid / 8) & 7)) << 4);
+          const uint32_t dst = smem_addr(sa) + swizzled(ptid / 8, 8 * chunk);
           CUTE_UNROLL
           for (int i = 0; i < 8; ++i) {
             const bool real = token[i] >= 0;
@@ -530,8 +531,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   if ((ct % 128) == 0) store_wait_read();
 #endif
 }
-
-constexpr int kMaxDevices = 64;
 
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {

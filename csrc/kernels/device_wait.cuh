@@ -9,7 +9,7 @@
 namespace primemoe {
 
 // Recorded in ErrorRecord::index1 of a kWaitTimeout.
-enum WaitPhase : int64_t { kWaitCounts = 0, kWaitArrivals = 1, kWaitCombine = 2, kWaitGemmRows = 3 };
+enum WaitPhase : int64_t { kWaitCounts = 0, kWaitArrivals = 1, kWaitCombine = 2, kWaitGemmRows = 3, kWaitPhases = 4 };
 
 #ifdef __CUDACC__
 __device__ __forceinline__ uint64_t now_ns() {

@@ -106,9 +106,8 @@ __device__ __forceinline__ void scan_padded_offsets(const int32_t* total, int32_
   const int32_t per_thread = (num_local + kLayoutThreads - 1) / kLayoutThreads;
   const int32_t first = min(int32_t(threadIdx.x) * per_thread, num_local);
   const int32_t last = min(first + per_thread, num_local);
-  auto padded = [row_align](int32_t n) { return (n + row_align - 1) / row_align * row_align; };
   int32_t mine = 0;
-  for (int32_t e = first; e < last; ++e) mine += padded(total[e]);
+  for (int32_t e = first; e < last; ++e) mine += layout_padded(total[e], row_align);
   int32_t inclusive = mine;
 #pragma unroll
   for (int d = 1; d < 32; d *= 2) {
@@ -121,7 +120,7 @@ __device__ __forceinline__ void scan_padded_offsets(const int32_t* total, int32_
   for (int w = 0; w < warp; ++w) row += warp_sums[w];
   for (int32_t e = first; e < last; ++e) {
     offsets[e] = row;
-    row += padded(total[e]);
+    row += layout_padded(total[e], row_align);
   }
   if (threadIdx.x == kLayoutThreads - 1) offsets[num_local] = row;
   __syncthreads();

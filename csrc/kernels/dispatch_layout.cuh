@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "host_device.cuh"
+
 #include "error_record.cuh"
 
 namespace primemoe {
@@ -53,6 +55,11 @@ inline int64_t layout_slots_per_block(int64_t num_slots, int32_t num_local) {
 inline int64_t layout_blocks(int64_t num_slots, int32_t num_local) {
   const int64_t per_block = layout_slots_per_block(num_slots, num_local);
   return (num_slots + per_block - 1) / per_block;
+}
+
+// An expert's rows rounded up to the row alignment: its range in the layout.
+PRIMEMOE_HOST_DEVICE inline int32_t layout_padded(int32_t rows, int32_t row_align) {
+  return (rows + row_align - 1) / row_align * row_align;
 }
 
 // Worst case rows: every slot routed here plus a partial tile per expert.

@@ -114,7 +114,6 @@ __global__ void __launch_bounds__(kRowThreads) slot_dot_kernel(SlotDotArgs a) {
 
 constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread
-constexpr int64_t kCopyMaxBlocks = 132 * 8;  // a full H200 at 2048 threads per SM
 
 __global__ void __launch_bounds__(kCopyThreads) copy_routed_rows_kernel(CopyRoutedRowsArgs a) {
   const int64_t bound = a.expert_offsets[a.num_experts];
@@ -134,9 +133,10 @@ __global__ void __launch_bounds__(kCopyThreads) copy_routed_rows_kernel(CopyRout
   for (; v < vecs; v += stride) dst[v] = src[v];
 }
 
-int grid_for(int64_t items) {
-  // Enough blocks to fill 132 SMs several times over; kernels grid-stride past that.
-  return static_cast<int>(std::min<int64_t>(items, 132 * 16));
+// Blocks of `threads` for `blocks` blocks' worth of work, at most what fills an H200 (132 SMs of
+// 2048 threads); the kernels grid-stride past that.
+int grid_for(int64_t blocks, int threads = kRowThreads) {
+  return static_cast<int>(std::min<int64_t>(blocks, 132 * 2048 / threads));
 }
 
 }  // namespace
@@ -168,8 +168,8 @@ cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& a, cudaStream_t st
   const int64_t max_vecs = a.num_rows * (a.row_bytes / 16);
   if (max_vecs == 0) return cudaSuccess;
   const int64_t per_block = int64_t(kCopyThreads) * kCopyUnroll;
-  const int64_t blocks = std::min((max_vecs + per_block - 1) / per_block, kCopyMaxBlocks);
-  copy_routed_rows_kernel<<<static_cast<int>(blocks), kCopyThreads, 0, stream>>>(a);
+  copy_routed_rows_kernel<<<grid_for((max_vecs + per_block - 1) / per_block, kCopyThreads), kCopyThreads, 0,
+                            stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -18,7 +18,6 @@ __device__ __forceinline__ T* region(uint8_t* ws, size_t offset) {
   return reinterpret_cast<T*>(ws + offset);
 }
 
-__device__ __forceinline__ int32_t padded(int32_t rows, int32_t align) { return (rows + align - 1) / align * align; }
 
 __device__ __forceinline__ int64_t expert_id(const void* ids, bool is_int64, int64_t slot) {
   return is_int64 ? static_cast<const int64_t*>(ids)[slot] : static_cast<const int32_t*>(ids)[slot];
@@ -176,7 +175,7 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
         a.expert_offsets[e] = offset;
         recv_offset[e] = offset;
       }
-      offset += padded(total, c.row_align);
+      offset += layout_padded(total, c.row_align);
     }
     if (dest == me) {
       a.expert_offsets[E] = offset;

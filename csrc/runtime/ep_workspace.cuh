@@ -1,7 +1,6 @@
 // The expert-parallel symmetric workspace: one NVSHMEM allocation per rank, same
 // layout (and so the same offsets) on every rank, shared by the dispatch/combine
-// kernels and, later, the fused kernel whose GEMM producer waits on
-// `expert_arrivals`. Sized for the worst case, so no routing can overflow it:
+// kernels and the expert GEMM engine, whose FC1 producer waits on `expert_arrivals`. Sized for the worst case, so no routing can overflow it:
 // a rank may receive every slot of every rank (all tokens to its experts).
 //
 // Synchronisation is epoch based, so nothing is ever reset between calls and a
@@ -12,11 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define PRIMEMOE_HOST_DEVICE __host__ __device__
-#else
-#define PRIMEMOE_HOST_DEVICE
-#endif
+#include "../kernels/host_device.cuh"
 
 namespace primemoe {
 
