@@ -12,8 +12,8 @@
 //            the receive layout and where this rank's rows go on each peer)
 //          + rows (push each routed row, its slot and weight; count arrivals per
 //            (destination, expert) and signal `expert_arrivals` when one is complete)
-//          + wait (until every local expert has heard from every source; the fused
-//            kernel will instead wait per expert inside its GEMM producer)
+//          + wait (with wait_arrivals: until every local expert has heard from every
+//            source; the layer skips it and FC1's producer waits per expert instead)
 // combine  = push every received row back to its source's `combine_rows[slot]`,
 //            signal each source when its rows are done, wait for all sources.
 #pragma once

@@ -250,7 +250,7 @@ class Impl:
 IMPLS = {
     "baseline": Impl(_Baseline, ("bf16",), "sort + torch._grouped_mm; NCCL all-to-all at EP>1"),
     "primemoe": Impl(_primemoe, PRECISIONS, "torch.ops.primemoe.moe_forward / moe_backward; EP>1: "
-                     "primemoe.moe(buffer=primemoe.Buffer) with autograd (NVSHMEM dispatch/combine, 24 SMs)"),
+                     "primemoe.moe(buffer=primemoe.Buffer) with autograd (NVSHMEM dispatch/combine on the Buffer's default SMs)"),
     "reference": Impl(_Reference, ("bf16",), "pure-PyTorch loop over experts (fp32), autograd backward",
                       single_gpu="single GPU only"),
 }
@@ -409,9 +409,11 @@ class _ShapeContext:
         self.args, self.group, self.shape, self.max_tokens = args, group, shape, max_tokens
         self._key = self._buffer = None
 
-    def buffer(self, precision: str = "bf16", num_sms: int = 16):
+    def buffer(self, precision: str = "bf16", num_sms: Optional[int] = None):
         import primemoe
-        from primemoe.buffer import ROW_ALIGN, SYMMETRIC_HEAP_MARGIN, EpConfig, ep_layout, ep_transport
+        from primemoe.buffer import (DEFAULT_NUM_SMS, ROW_ALIGN, SYMMETRIC_HEAP_MARGIN, EpConfig, ep_layout,
+                                     ep_transport)
+        num_sms = num_sms or DEFAULT_NUM_SMS
         if self._key != (precision, num_sms):
             self.close()
             world = dist.get_world_size(self.group)

@@ -41,6 +41,9 @@ lib = torch.ops.primemoe
 # Room on the symmetric heap beyond the workspace (NVSHMEM's own symmetric objects).
 SYMMETRIC_HEAP_MARGIN = 256 << 20
 _INT32_MAX = 2 ** 31 - 1
+# Dispatch/combine SMs: on 2x H200 (NVLink) both directions moved more bytes per second with 16 than
+# with 24 at >= 8192 tokens per rank (benchmarks/RESULTS.md, fourth session).
+DEFAULT_NUM_SMS = 16
 MAX_EXPERTS = 1024  # kLayoutMaxLocalExperts of csrc/kernels/dispatch_layout.cuh (the send-side layout spans all experts)
 EP_TRANSPORTS = ("auto", "put")
 
@@ -226,14 +229,14 @@ class Buffer:
     ``row_align``: each local expert's received rows start at a multiple of it (padding rows
     are zero); the expert GEMM engine needs a multiple of 128 (the default), else the
     experts run on ``torch._grouped_mm``.
-    ``num_sms``: SMs the dispatch/combine kernels use. 16 by default: on 2x H200 (NVLink) both
-    directions moved more bytes per second with 16 than with 24 at >= 8192 tokens per rank.
-    ``put_peers``: some rank sends by NVSHMEM puts (another node, or ``PRIMEMOE_EP_TRANSPORT=put``),
-    so the workspace has the staging region; ``force_put``: this rank sends to every other by puts.
+    ``num_sms``: SMs the dispatch/combine kernels use (``DEFAULT_NUM_SMS``).
+    Set from the peers and ``PRIMEMOE_EP_TRANSPORT`` (attributes, not arguments): ``put_peers``, some
+    rank sends by NVSHMEM puts (another node, or ``put``), so the workspace has the staging region;
+    ``force_put``, this rank sends to every other by puts.
     """
 
     def __init__(self, group, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
-                 precision="bf16", row_align=ROW_ALIGN, num_sms=16):
+                 precision="bf16", row_align=ROW_ALIGN, num_sms=DEFAULT_NUM_SMS):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
         check_precision(precision)
