@@ -84,7 +84,7 @@ class ModelBuffer:
             padded = begin + (at - begin + self.row_align - 1) // self.row_align * self.row_align
             rows[at:padded] = 0  # the dispatch zeroes padding rows
             meta[at:padded] = -1
-            weights[at:padded] = torch.rand(padded - at, generator=self.gen)
+            weights[at:padded] = 0  # and weight 0: the expert GEMMs read every row's weight
             at = padded
             offsets.append(at)
         slot_valid = (topk_idx >= 0) & (topk_idx < E)
