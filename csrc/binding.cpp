@@ -724,6 +724,11 @@ void check_fc1_gather_args(const at::Tensor& x, const at::Tensor& row_to_slot, i
   check_index(row_to_slot, "row_to_slot", 1);
   check_same_device(row_to_slot, x, "row_to_slot");
   PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
+  // The kernel reads token row_to_slot[r] / top_k of x unchecked: the map must be the layout of x's slots.
+  const int64_t rows = layout_max_rows(x.size(0) * top_k, static_cast<int32_t>(w1.size(0)), kGemmRowAlign);
+  PRIMEMOE_CHECK(row_to_slot.numel() == rows, "row_to_slot: expected the ", rows, " rows of dispatch_layout over x's ",
+                 x.size(0), " x ", top_k, " slots (", w1.size(0), " experts, row_align ", kGemmRowAlign, "), got ",
+                 row_to_slot.numel());
 }
 
 std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cuda(const at::Tensor& x, const at::Tensor& row_to_slot,

@@ -123,6 +123,8 @@ def test_fc1_swiglu_gather_is_fc1_of_the_gathered_rows():
         ops.fc1_swiglu_gather(g.x[:, :32].contiguous(), g.row_to_slot, g.top_k, g.w1, g.offsets, True)
     with pytest.raises(RuntimeError, match="top_k: expected >= 1"):
         ops.fc1_swiglu_gather(g.x, g.row_to_slot, 0, g.w1, g.offsets, True)
+    with pytest.raises(RuntimeError, match="row_to_slot: expected the .* rows of dispatch_layout over x's 49 x 3"):
+        ops.fc1_swiglu_gather(g.x[:49], g.row_to_slot, g.top_k, g.w1, g.offsets, True)
 
 
 def test_opcheck_expert_gemm_with_row_weight(engine):
