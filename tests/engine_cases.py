@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROW_ALIGN = 128
+from primemoe.ops import ROW_ALIGN
 
 
 @dataclass
