@@ -2,11 +2,11 @@
 # One device call: build primemoe on the GPU machine (no network there: the
 # nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
 # the benchmark. Logs and results land in $OUT (default ./gpu-out).
-#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ab|ncu|comm|sanitize|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|comm|sanitize|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
-# smoke: one small forward+backward (stops the run if it fails or hangs); stages: per-stage times of the single-GPU layer (scripts/stage_times.py); ab: engine variants interleaved in one process (scripts/ab_engine.py);
+# smoke: one small forward+backward (stops the run if it fails or hangs); stages: per-stage times of the single-GPU layer (scripts/stage_times.py);
 # ncu: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +46,6 @@ for step in $STEPS; do
     bench1) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 \
              --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     stages) $PY scripts/stage_times.py --out "$OUT/stages.json" 2>&1 | tee "$OUT/stages.log" ;;
-    ab) $PY scripts/ab_engine.py --out "$OUT/ab.json" 2>&1 | tee "$OUT/ab.log" ;;
     main) $PY -m primemoe 2>&1 | tee "$OUT/main.log" ;;
     bench) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 2 \
              --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;

@@ -1,5 +1,10 @@
 """Per-stage GPU times of primemoe's single-GPU forward and backward (median of CUDA events),
-to show where the layer's time goes. Usage: python scripts/stage_times.py [--tokens 8192 16384]"""
+to show where the layer's time goes. Usage: python scripts/stage_times.py [--tokens 8192 16384]
+
+The stages run round-robin (one of each per iteration), not one stage 20 times then the next:
+run in sequence, a stage timed late in a long run of heavy kernels came out slower than the
+same work timed early (the 235B FC1 without kept pre-activations measured 4.04 ms against
+2.83 with them; interleaved it is the faster of the two)."""
 
 import argparse
 import json
@@ -13,18 +18,24 @@ lib = torch.ops.primemoe
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "qwen3-235b-a22b": (4096, 1536, 128, 8)}
 
 
-def timed(fn, iters=20):
-    for _ in range(3):
+def time_once(fn):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def timed_round_robin(fns, iters=20):
+    """Median ms of each function, the functions interleaved."""
+    for fn in fns:
         fn()
-    times = []
+    times = [[] for _ in fns]
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for fn, t in zip(fns, times):
+            t.append(time_once(fn))
+    return [statistics.median(t) for t in times]
 
 
 def stages(shape, tokens):
@@ -62,8 +73,8 @@ def stages(shape, tokens):
                            12 * tokens * K * H * I),
     }
     out = {}
-    for name, (fn, f) in table.items():
-        ms = timed(fn)
+    medians = timed_round_robin([fn for fn, _ in table.values()])
+    for (name, (_, f)), ms in zip(table.items(), medians):
         out[name] = {"ms": round(ms, 4), "tflops": round(f / ms / 1e9, 1) if f else None}
         print(f"{shape:16} T={tokens:6} padded rows={rows:7} {name:26} {ms:8.3f} ms"
               + (f"  {f / ms / 1e9:6.1f} TFLOP/s" if f else ""), flush=True)

@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 #include "grouped_gemm_launch.cuh"
 
@@ -145,38 +144,28 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, 64);
   if (err != cudaSuccess) return err;
   const int grid = a.num_sms > 0 ? a.num_sms : 1;
-  if (const char* v = std::getenv("PRIMEMOE_GATHER_PREFETCH")) params.args.a_prefetch_k_tiles = std::atoi(v);
-  const char* deep_env = std::getenv("PRIMEMOE_GEMM_DEEP_RING");
-  const bool deep = deep_env != nullptr && deep_env[0] == '1';
-  if (a.a_row_src != nullptr) {
-    return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true, false>(params, grid, stream);
-  }
+  if (a.a_row_src != nullptr) return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true>(params, grid, stream);
   switch (a.schedule) {
     case GemmSchedule::kRows:
       switch (a.epilogue) {
         case GemmEpilogue::kSwiGLU:
           if (a.b_k_major) {
-            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, false, false>(params, grid, stream);
+            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, false>(params, grid, stream);
           }
           break;
         case GemmEpilogue::kStore:
-          if (deep) {
-            return a.b_k_major ? launch<GemmSchedule::kRows, GemmEpilogue::kStore, true, false, true>(params, grid, stream)
-                               : launch<GemmSchedule::kRows, GemmEpilogue::kStore, false, false, true>(params, grid, stream);
-          }
-          return a.b_k_major ? launch<GemmSchedule::kRows, GemmEpilogue::kStore, true, false, false>(params, grid, stream)
-                             : launch<GemmSchedule::kRows, GemmEpilogue::kStore, false, false, false>(params, grid, stream);
+          return a.b_k_major ? launch<GemmSchedule::kRows, GemmEpilogue::kStore, true, false>(params, grid, stream)
+                             : launch<GemmSchedule::kRows, GemmEpilogue::kStore, false, false>(params, grid, stream);
         case GemmEpilogue::kSwiGLUBackward:
           if (!a.b_k_major) {
-            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLUBackward, false, false, false>(params, grid, stream);
+            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLUBackward, false, false>(params, grid, stream);
           }
           break;
       }
       break;
     case GemmSchedule::kExperts:
       if (a.epilogue == GemmEpilogue::kStore && !a.b_k_major) {
-        return deep ? launch<GemmSchedule::kExperts, GemmEpilogue::kStore, false, false, true>(params, grid, stream)
-                    : launch<GemmSchedule::kExperts, GemmEpilogue::kStore, false, false, false>(params, grid, stream);
+        return launch<GemmSchedule::kExperts, GemmEpilogue::kStore, false, false>(params, grid, stream);
       }
       break;
   }

@@ -68,7 +68,6 @@ struct GroupedGemmArgs {
   // a_row_src[r] / a_src_div of `a` (the tokens, [*, k]), or zeros where a_row_src[r] < 0.
   const int32_t* a_row_src;
   int32_t a_src_div;
-  int32_t a_prefetch_k_tiles;  // gathered A: k-tiles of each row prefetched into L2 ahead of its loads (0: none)
   // kSwiGLU: out_h = [num_rows, 2n] pre-activations or null.
   // kRows + kStore: row_weight [num_rows] fp32 or null; out row r is scaled by row_weight[r] (FC2's
   //   routing weight, so the combine only sums).

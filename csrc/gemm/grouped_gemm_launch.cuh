@@ -19,7 +19,7 @@ struct GemmParams {
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are
 // gathered from the tokens by the producer (GroupedGemmArgs::a_row_src).
-template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA, bool DeepRing>
+template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream);
 
 }  // namespace primemoe::sm90

@@ -40,16 +40,18 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 
 // Ring depth and epilogue staging (64 x 64 bf16 boxes per consumer warpgroup) share shared memory:
 // 4 stages leave room for 2 boxes, 3 stages for 4. FC1 (H200, Qwen3-30B, T = 16384) went from 1.61
-// to 1.30 ms with 4 stages, 2 boxes and the fast SiLU division together. The plain-store variants
-// (FC2, FC1 dgrad, wgrad) measured 4-8% slower with 4 stages (their epilogue then waits between two
-// rounds of boxes), about the spread between machines, so they keep 3 stages and one round.
+// to 1.30 ms with 4 stages, 2 boxes and the fast SiLU division together. The plain-store variants,
+// 3 against 4 stages interleaved in one process (H200, both shapes, T = 8192 and 16384): FC2 3-4%
+// faster with 4 (its epilogue then stores in two rounds), FC1 dgrad within 1.5%, the weight
+// gradients (kExperts) up to 1.7% slower, so those keep 3 stages and one round of 4 boxes.
 // FC2 dgrad's epilogue uses 3 of its 4 boxes at once (gate, up, weighted activation): with 3 stages
 // there is room for 4 either way, and a 4th stage would not fit beside 3.
-template <GemmEpilogue E, bool DeepRing>
+template <GemmSchedule S, GemmEpilogue E>
 struct Pipeline {
-  static_assert(!DeepRing || E == GemmEpilogue::kStore, "only the plain-store epilogue has both ring depths");
-  static constexpr int kStages = E == GemmEpilogue::kSwiGLU || DeepRing ? 4 : 3;
-  static constexpr int kBoxes = E == GemmEpilogue::kSwiGLU || DeepRing ? 2 : 4;
+  static constexpr bool kDeep =
+      E == GemmEpilogue::kSwiGLU || (E == GemmEpilogue::kStore && S == GemmSchedule::kRows);
+  static constexpr int kStages = kDeep ? 4 : 3;
+  static constexpr int kBoxes = kDeep ? 2 : 4;
 };
 
 template <int Stages, int Boxes>
@@ -61,11 +63,11 @@ struct SharedStorage {
   uint64_t empty[Stages];
 };
 
-template <GemmEpilogue E, bool DeepRing>
-using SharedStorageOf = SharedStorage<Pipeline<E, DeepRing>::kStages, Pipeline<E, DeepRing>::kBoxes>;
+template <GemmSchedule S, GemmEpilogue E>
+using SharedStorageOf = SharedStorage<Pipeline<S, E>::kStages, Pipeline<S, E>::kBoxes>;
 
-template <GemmEpilogue E, bool DeepRing>
-constexpr size_t kSmemBytes = sizeof(SharedStorageOf<E, DeepRing>) + 1024;  // + room to align the base to 1 KiB (swizzle atoms)
+template <GemmSchedule S, GemmEpilogue E>
+constexpr size_t kSmemBytes = sizeof(SharedStorageOf<S, E>) + 1024;  // + room to align the base to 1 KiB (swizzle atoms)
 
 // Shared-memory layout of one operand's ring: (Rows of M or N, 64 of K, stage), 128-byte
 // swizzled exactly as TMA writes it per 128 rows (K-major: one 64 x 128 box; MN-major: two
@@ -101,11 +103,6 @@ __device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* bar, 
 // 16 bytes into shared memory, or 16 zero bytes when `bytes` is 0 (src is then not read).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-// Asks L2 to fetch the line at `src` ahead of the loads that will read it.
-__device__ __forceinline__ void prefetch_l2(const void* src) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(src) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
@@ -228,15 +225,15 @@ __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __e
 
 __device__ __forceinline__ __nv_bfloat162 pack(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
 
-template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA, bool DeepRing>
+template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
   static_assert(!GatherA || S == GemmSchedule::kRows, "only row operands are gathered");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool AKMajor = S == GemmSchedule::kRows;
   const GroupedGemmArgs& args = p.args;
   extern __shared__ uint8_t smem_raw[];
-  constexpr int kStages = Pipeline<E, DeepRing>::kStages;
-  auto& smem = *reinterpret_cast<SharedStorageOf<E, DeepRing>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  constexpr int kStages = Pipeline<S, E>::kStages;
+  auto& smem = *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -284,13 +281,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           const int32_t slot = args.a_row_src[tile.m0 + ptid / 8 + 16 * i];
           token[i] = slot >= 0 ? slot / args.a_src_div : -1;
         }
-        // The tile's first k-tiles into L2; the loop below prefetches each later one a_prefetch_k_tiles ahead.
-        for (int32_t kt = 0; kt < min(args.a_prefetch_k_tiles, tile.k_tiles); ++kt) {
-          CUTE_UNROLL
-          for (int i = 0; i < 8; ++i) {
-            if (token[i] >= 0) prefetch_l2(tokens + int64_t(token[i]) * args.k + kt * kGemmTileK + 8 * (ptid % 8));
-          }
-        }
       }
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         uint64_t* bar = &smem.full[stage];
@@ -319,13 +309,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           // The 128-byte swizzle TMA would apply; r % 8 is the same for all of this thread's rows.
           const int chunk = ptid % 8;
           const uint32_t dst = smem_addr(sa) + swizzled(ptid / 8, 8 * chunk);
-          const bool prefetch = args.a_prefetch_k_tiles > 0 && kt + args.a_prefetch_k_tiles < tile.k_tiles;
           CUTE_UNROLL
           for (int i = 0; i < 8; ++i) {
             const bool real = token[i] >= 0;
-            const __nv_bfloat16* src = tokens + int64_t(token[i]) * args.k + k0 + 8 * chunk;
-            cp_async_16(dst + 16 * 128 * i, real ? src : tokens, real ? 16 : 0);
-            if (real && prefetch) prefetch_l2(src + args.a_prefetch_k_tiles * kGemmTileK);
+            cp_async_16(dst + 16 * 128 * i, real ? tokens + int64_t(token[i]) * args.k + k0 + 8 * chunk : tokens,
+                        real ? 16 : 0);
           }
           cp_async_arrive(bar);
         }
@@ -405,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
     // Column halves [j0, j0 + kHalvesPerRound) of the accumulator (128 columns each) as bf16 into boxes
     // 0-1 (and 2-3), the thread's two rows (frag_row, frag_row + 8) scaled by scale0 and scale1.
-    constexpr int kHalvesPerRound = Pipeline<E, DeepRing>::kBoxes / 2;
+    constexpr int kHalvesPerRound = Pipeline<S, E>::kBoxes / 2;
     auto stage_halves = [&](int j0, float scale0, float scale1) {
       staging_acquire(wg, wtid);
       CUTE_UNROLL
@@ -547,21 +535,21 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 #endif
 }
 
-template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA, bool DeepRing>
+template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
-  static_assert(kSmemBytes<E, DeepRing> <= 227 * 1024, "shared memory ring too large");
-  auto kernel = grouped_gemm_kernel<S, E, BKMajor, GatherA, DeepRing>;
+  static_assert(kSmemBytes<S, E> <= 227 * 1024, "shared memory ring too large");
+  auto kernel = grouped_gemm_kernel<S, E, BKMajor, GatherA>;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   static std::atomic<bool> smem_set_on[kMaxDevices];  // the attribute is per device: set once on each
   if (device >= kMaxDevices) return cudaErrorInvalidDevice;
   if (!smem_set_on[device].load(std::memory_order_acquire)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes<E, DeepRing>));
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes<S, E>));
     if (err != cudaSuccess) return err;
     smem_set_on[device].store(true, std::memory_order_release);
   }
-  kernel<<<grid, kThreads, kSmemBytes<E, DeepRing>, stream>>>(params);
+  kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(params);
   return cudaGetLastError();
 }
 

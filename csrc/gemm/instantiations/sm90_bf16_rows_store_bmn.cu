@@ -3,6 +3,6 @@
 #include "../grouped_gemm_sm90.cuh"
 
 namespace primemoe::sm90 {
-template cudaError_t launch<GemmSchedule::kRows, GemmEpilogue::kStore, false, false, false>(
+template cudaError_t launch<GemmSchedule::kRows, GemmEpilogue::kStore, false, false>(
     const GemmParams&, int, cudaStream_t);
 }  // namespace primemoe::sm90
