@@ -79,7 +79,6 @@ struct GroupedGemmArgs {
   void* out_dh;
   float* out_dot;
   RowsReadyHook hook;
-  bool stagger_epilogues;  // the consumer warpgroups take turns storing (see the kernel)
   ErrorRecord* error;
   int32_t num_sms;
 };

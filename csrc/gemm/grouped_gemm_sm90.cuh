@@ -145,17 +145,6 @@ __device__ __forceinline__ __nv_bfloat162 get_pair(const uint8_t* slots, int box
 
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
 
-// Epilogue turns of the two consumer warpgroups (named barriers 3 and 4, 128 threads of each side):
-// warpgroup 0 stores tile i after warpgroup 1 stored tile i - 1, warpgroup 1 after warpgroup 0 stored
-// tile i. So they never store at the same time: one runs its wgmma while the other stores.
-constexpr int kEpilogueDoneBar = 3;  // + warpgroup
-__device__ __forceinline__ void epilogue_wait_turn(int other_wg) {
-  asm volatile("bar.sync %0, 256;" ::"r"(kEpilogueDoneBar + other_wg) : "memory");
-}
-__device__ __forceinline__ void epilogue_pass_turn(int wg) {
-  asm volatile("bar.arrive %0, 256;" ::"r"(kEpilogueDoneBar + wg) : "memory");
-}
-
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int32_t c0, int32_t c1) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
                :
@@ -360,8 +349,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   };
   int stage = 0;
   uint32_t phase = 0;
-  const bool stagger = args.stagger_epilogues;
-  bool first_tile = true;
   for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
     const Tile tile = walker.at(t);
     if (tile.k_tiles == 0) clear(acc);
@@ -398,8 +385,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const int64_t n = args.n;
     const int wg = ct / 128;
     const int wtid = ct % 128;
-    if (stagger && (wg == 1 || !first_tile)) epilogue_wait_turn(1 - wg);
-    first_tile = false;
     // wgmma's accumulator fragment: value i of a thread sits at row frag_row + 8 * ((i >> 1) & 1)
     // of its warpgroup's 64 rows and column frag_col + 8 * (i >> 2) + (i & 1).
     const int frag_row = 16 * (wtid / 32) + (wtid % 32) / 4;
@@ -544,10 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         if ((threadIdx.x & 3) == 0 && r < args.num_rows) args.out_dot[r * (n / kGemmTileN) + tile.n_tile] = dot[h];
       }
     }
-    if (stagger) epilogue_pass_turn(wg);
   }
-  // Warpgroup 0 takes warpgroup 1's last turn, so no arrival is left pending on the barrier.
-  if (stagger && ct < 128 && !first_tile) epilogue_wait_turn(1);
   // The staging slots must outlive the TMA stores that read them.
   if ((ct % 128) == 0) store_wait_read();
 #endif
