@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -433,14 +432,6 @@ uint64_t wait_timeout_ns() {
   return static_cast<uint64_t>((seconds > 0 ? seconds : 60.0) * 1e9);
 }
 
-// PRIMEMOE_EP_ROW_COPY (ep_kernels.cuh), read at every launch like the timeout: lsu (unset) or bulk.
-EpRowCopy ep_row_copy() {
-  const char* s = std::getenv("PRIMEMOE_EP_ROW_COPY");
-  if (s == nullptr || std::strcmp(s, "lsu") == 0) return EpRowCopy::kLsu;
-  PRIMEMOE_CHECK(std::strcmp(s, "bulk") == 0, "PRIMEMOE_EP_ROW_COPY: expected one of ['lsu', 'bulk'], got '", s, "'");
-  return EpRowCopy::kBulk;
-}
-
 EpScratch ep_scratch(uint8_t* ws, const EpLayout& l, const EpConfig& c) {
   int32_t* base = reinterpret_cast<int32_t*>(ws + l.scratch);
   const int64_t pairs = int64_t(c.world) * c.local_experts;
@@ -476,7 +467,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& work
                  max_tokens);
   PRIMEMOE_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights: expected the shape of topk_idx");
   PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
-  const EpRowCopy row_copy = ep_row_copy();
   const int64_t experts = world * local_experts;
   auto [send_counts, send_offsets, slot_to_row, row_to_slot] =
       dispatch_layout_cuda(topk_idx, experts, 0, experts, 1);
@@ -503,7 +493,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& work
   a.expert_offsets = expert_offsets.data_ptr<int32_t>();
   a.num_blocks = static_cast<int32_t>(num_sms);
   a.wait_arrivals = wait_arrivals;
-  a.row_copy = row_copy;
   a.timeout_ns = wait_timeout_ns();
   a.error = error_record_for(x);
   check_cuda(launch_ep_dispatch(a, c10::cuda::getCurrentCUDAStream()), "ep_dispatch");
@@ -530,7 +519,6 @@ void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor&
                    "row_scalars: expected a contiguous float32 tensor with one value per receive row");
   }
   PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
-  const EpRowCopy row_copy = ep_row_copy();
   const c10::cuda::CUDAGuard guard(rows.device());
   EpCombineArgs a{};
   a.cfg = c;
@@ -542,7 +530,6 @@ void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor&
   a.expert_offsets = expert_offsets.data_ptr<int32_t>();
   a.scratch = ep_scratch(a.workspace, l, c);
   a.num_blocks = static_cast<int32_t>(num_sms);
-  a.row_copy = row_copy;
   a.timeout_ns = wait_timeout_ns();
   a.error = error_record_for(rows);
   check_cuda(launch_ep_combine(a, c10::cuda::getCurrentCUDAStream()), "ep_combine");

@@ -2,13 +2,12 @@
 # One device call: build primemoe on the GPU machine (no network there: the
 # nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
 # the benchmark. Logs and results land in $OUT (default ./gpu-out).
-#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|multigpubulk|main|bench|bench1|bench2|stages|ncu|comm|commbulk|sanitize|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|comm|sanitize|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
 # smoke: one small forward+backward (stops the run if it fails or hangs); stages: per-stage times of the single-GPU layer (scripts/stage_times.py);
 # ncu: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py).
-# commbulk / multigpubulk: comm / multigpu with PRIMEMOE_EP_ROW_COPY=bulk (bulk-copy row kernels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -40,9 +39,6 @@ for step in $STEPS; do
            [ "${PIPESTATUS[0]}" = 0 ] || { echo "smoke case failed: stopping"; exit 1; } ;;
     multigpu) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 | tee "$OUT/pytest-multigpu.log" | tail -20
               [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
-    multigpubulk) PRIMEMOE_EP_ROW_COPY=bulk $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 \
-                    | tee "$OUT/pytest-multigpu-bulk.log" | tail -20
-                  [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench2) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
              --out "$OUT/bench2" 2>&1 | tee "$OUT/bench2.log" | tail -30 ;;
     gputests) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m "not multigpu" 2>&1 | tee "$OUT/pytest.log" | tail -40
@@ -55,8 +51,6 @@ for step in $STEPS; do
              --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     comm) $PY -m primemoe.bench --comm --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
             --out "$OUT/comm" 2>&1 | tee "$OUT/comm.log" | tail -30 ;;
-    commbulk) PRIMEMOE_EP_ROW_COPY=bulk $PY -m primemoe.bench --comm --shapes qwen3-30b-a3b qwen3-235b-a22b \
-                --tokens 4096 8192 16384 --ep 2 --out "$OUT/comm-bulk" 2>&1 | tee "$OUT/comm-bulk.log" | tail -30 ;;
     ncu) ncu --clock-control none -k regex:grouped_gemm_kernel --launch-skip 3 --launch-count 3 \
            --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
            $PY scripts/ncu_engine.py > "$OUT/ncu.log" 2>&1

@@ -2,9 +2,6 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include <atomic>
-#include <type_traits>
-
 #include "../kernels/device_wait.cuh"
 #include "../kernels/dispatch_layout.cuh"
 #include "ep_kernels.cuh"
@@ -32,11 +29,7 @@ __device__ __forceinline__ float slot_weight(const void* w, ScaleType type, int6
 }
 
 constexpr int kRowThreads = 512;  // row kernels: more warps per SM keep more NVLink stores in flight
-// The bulk variants (BulkRowCopier below) keep their stores in flight in shared memory instead, with
-// fewer, deeper warps: 256 threads leave them up to 255 registers (at 512 the dispatch kernel spilled).
-constexpr int kBulkThreads = 256;
-constexpr int kBulkWarps = kBulkThreads / 32;
-constexpr int row_threads(bool bulk) { return bulk ? kBulkThreads : kRowThreads; }
+constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
 
 // A warp copies one row: all its loads are issued before its (remote) stores, kCopyUnroll
@@ -54,171 +47,6 @@ __device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int vecs,
     }
   }
 }
-
-// PRIMEMOE_EP_ROW_COPY=lsu: the warp copies each mapped row through its registers (copy_row).
-struct LsuRowCopier {
-  __device__ explicit LsuRowCopier(int) {}
-  __device__ void copy(void* dst, const void* src, int H, int lane) {
-    copy_row(static_cast<uint4*>(dst), static_cast<const uint4*>(src), H / kVec, lane);
-  }
-  __device__ void complete(int) {}  // plain stores: publish_run's fence orders them
-};
-
-// PRIMEMOE_EP_ROW_COPY=bulk: lane 0 of each warp moves the mapped rows with Hopper bulk copies
-// (cp.async.bulk, no tensor map) through a ring of kBulkBufs shared-memory buffers of kBulkChunk bytes:
-// a bulk load (global -> shared, completing on the buffer's mbarrier), then a bulk store (shared -> the
-// destination, this GPU's or an NVLink peer's mapped memory, one bulk async-group per chunk). Rows are
-// cut into chunks of at most kBulkChunk bytes (every row is a multiple of 16 bytes, 16-byte aligned).
-// After each chunk's load is issued, the oldest loaded chunks are stored until at most kBulkAhead are
-// loaded and not yet stored: a warp keeps up to kBulkAhead + 1 loads and kBulkBufs - kBulkAhead
-// stores still reading their buffer in flight (and any number of stores whose writes are under way),
-// without the LSU path or the registers of the other lanes. kBulkWarps warps of kBulkBufs * kBulkChunk
-// bytes make the block's dynamic shared memory (kBulkSmemBytes).
-//
-// Ordering.
-// - Buffer reuse: the load into a buffer is issued only after the bulk store that last read it has
-//   finished reading (cp.async.bulk.wait_group.read, same thread, see push), and a store reads a buffer
-//   only after its load completed on the mbarrier (try_wait.parity on the use's phase). Both accesses of
-//   a buffer are async-proxy ones ordered by those waits; no generic access touches the buffers.
-// - Sources: x (dispatch) and the expert GEMM's output (combine) were written by earlier kernels, whose
-//   completion orders them before any access of this kernel, the async proxy's included.
-// - Publication (complete, called by publish_run): lane 0 issued every bulk store of the warp's run, so
-//   it waits for the completion of all its bulk async-groups (wait_group 0 without .read: the writes
-//   have been performed, not just their source read), then fence.proxy.async orders these async-proxy
-//   writes before its later generic-proxy operations. publish_run's __syncwarp and
-//   __threadfence_system (fence.sc.sys) follow, and the same lane 0 then does the atomicAdd that counts
-//   the run and, for the run that completes the count, the signal (after another fence.sc.sys). So the
-//   rows are ordered before the count and the signal like the other lanes' scalar writes (by
-//   __syncwarp and their own fence, as on the LSU path), and a peer that acquires the signal sees them.
-// - The mbarriers are initialised by the lane that uses them and made visible to the async proxy
-//   (fence.mbarrier_init, fence.proxy.async.shared::cta) before its first bulk load.
-constexpr int kBulkBufs = 6;       // buffers per warp
-constexpr int kBulkChunk = 4096;   // bytes per buffer: one chunk of a row
-constexpr int kBulkAhead = 2;      // chunks loaded and not yet stored after each push
-static_assert(kBulkAhead >= 1 && kBulkAhead < kBulkBufs, "a load must overlap the wait for the previous one");
-static_assert(kBulkChunk % 16 == 0, "bulk copies move multiples of 16 bytes");
-
-// Per warp, in shared memory after all chunk buffers; used by lane 0 only.
-struct BulkWarp {
-  uint64_t bar[kBulkBufs];    // mbarrier of each buffer: its load completed
-  uint64_t dst[kBulkBufs];    // global address the chunk in the buffer goes to
-  uint32_t bytes[kBulkBufs];  // its size
-  uint32_t loaded;            // chunks whose load was issued (chunk n uses buffer n % kBulkBufs)
-  uint32_t stored;            // chunks whose store was issued
-};
-
-constexpr size_t kBulkSmemBytes = size_t(kBulkWarps) * (kBulkBufs * kBulkChunk + sizeof(BulkWarp));
-static_assert(kBulkSmemBytes <= 227 * 1024, "the bulk ring must fit one block's shared memory");
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-__device__ __forceinline__ void bulk_load(uint32_t smem, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem),
-               "l"(static_cast<uint64_t>(__cvta_generic_to_global(src))), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_store(uint64_t dst, uint32_t smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-template <int kPending>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
-}
-
-struct BulkRowCopier {
-  __device__ static uint8_t* smem() {
-    extern __shared__ __align__(128) uint8_t bulk_smem[];
-    return bulk_smem;
-  }
-  __device__ static uint32_t buffers() {  // shared address of this warp's first chunk buffer
-    return smem_addr(smem()) + (threadIdx.x / 32) * uint32_t(kBulkBufs * kBulkChunk);
-  }
-  __device__ static BulkWarp& warp() {
-    return reinterpret_cast<BulkWarp*>(smem() + size_t(kBulkWarps) * kBulkBufs * kBulkChunk)[threadIdx.x / 32];
-  }
-
-  __device__ explicit BulkRowCopier(int lane) {
-    if (lane != 0) return;
-    BulkWarp& w = warp();
-    for (int b = 0; b < kBulkBufs; ++b) mbar_init(&w.bar[b], 1);
-    w.loaded = 0;
-    w.stored = 0;
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-
-  // Lane 0: waits for the oldest unstored chunk's load and issues its store.
-  __device__ static void store_oldest(BulkWarp& w) {
-    const uint32_t n = w.stored;
-    const uint32_t b = n % kBulkBufs;
-    mbar_wait(&w.bar[b], (n / kBulkBufs) & 1);
-    bulk_store(w.dst[b], buffers() + b * kBulkChunk, w.bytes[b]);
-    w.stored = n + 1;
-  }
-
-  // Lane 0: one chunk.
-  __device__ static void push(BulkWarp& w, uint64_t dst, const uint8_t* src, uint32_t bytes) {
-    const uint32_t n = w.loaded;
-    const uint32_t b = n % kBulkBufs;
-    // Chunk n - kBulkBufs last used buffer b. At most kBulkAhead chunks are unstored, so its store was
-    // issued, and at most kBulkBufs - kBulkAhead - 1 stores were issued after it.
-    bulk_wait_read<kBulkBufs - kBulkAhead - 1>();
-    w.dst[b] = dst;
-    w.bytes[b] = bytes;
-    mbar_arrive_expect_tx(&w.bar[b], bytes);
-    bulk_load(buffers() + b * kBulkChunk, src, bytes, &w.bar[b]);
-    w.loaded = n + 1;
-    while (n + 1 - w.stored > kBulkAhead) store_oldest(w);
-  }
-
-  __device__ void copy(void* dst, const void* src, int H, int lane) {
-    if (lane != 0) return;
-    BulkWarp& w = warp();
-    const uint32_t row_bytes = uint32_t(H) * sizeof(__nv_bfloat16);
-    const uint64_t to = static_cast<uint64_t>(__cvta_generic_to_global(dst));
-    const uint8_t* from = static_cast<const uint8_t*>(src);
-    for (uint32_t at = 0; at < row_bytes; at += kBulkChunk)
-      push(w, to + at, from + at, min(uint32_t(kBulkChunk), row_bytes - at));
-  }
-
-  // Before a run is published: every row of the warp is written at its destination and ordered before
-  // lane 0's later generic operations (see Ordering above).
-  __device__ void complete(int lane) {
-    if (lane != 0) return;
-    BulkWarp& w = warp();
-    while (w.stored != w.loaded) store_oldest(w);
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async;" ::: "memory");
-  }
-};
-
-template <bool kBulk>
-using RowCopier = std::conditional_t<kBulk, BulkRowCopier, LsuRowCopier>;
 
 // How this rank writes into `pe`'s copy of its symmetric workspace `ws`: by plain stores through
 // `mapped` (that copy as this GPU maps it), or, where null, by NVSHMEM RMA on the symmetric address.
@@ -250,11 +78,9 @@ struct PeerWriter {
   }
 
   // One row, by the whole warp. A put reads it from `stage`, this rank's own symmetric row.
-  template <class Copier>
-  __device__ void row(Copier& copier, __nv_bfloat16* dst, const __nv_bfloat16* src, __nv_bfloat16* stage, int H,
-                      int lane) const {
+  __device__ void row(__nv_bfloat16* dst, const __nv_bfloat16* src, __nv_bfloat16* stage, int H, int lane) const {
     if (!puts()) {
-      copier.copy(at(dst), src, H, lane);
+      copy_row(reinterpret_cast<uint4*>(at(dst)), reinterpret_cast<const uint4*>(src), H / kVec, lane);
       return;
     }
     copy_row(reinterpret_cast<uint4*>(stage), reinterpret_cast<const uint4*>(src), H / kVec, lane);
@@ -265,13 +91,11 @@ struct PeerWriter {
 };
 
 // Ends a warp's run of `rows` rows sent to `pe`: makes them visible there (after puts, each lane first
-// completes its own; after bulk copies, lane 0 completes the warp's), counts them in *done, and the run
-// that brings *done to *expected applies `op` with `value` to `signal` on `pe`.
-template <class Copier>
-__device__ __forceinline__ void publish_run(Copier& copier, int32_t rows, int32_t* done, const int32_t* expected,
-                                            uint64_t* signal, uint64_t value, int op, int pe, int lane, bool puts) {
+// completes its own), counts them in *done, and the run that brings *done to *expected applies `op`
+// with `value` to `signal` on `pe`.
+__device__ __forceinline__ void publish_run(int32_t rows, int32_t* done, const int32_t* expected, uint64_t* signal,
+                                            uint64_t value, int op, int pe, int lane, bool puts) {
   if (puts) nvshmem_quiet();
-  else copier.complete(lane);
   __syncwarp();
   __threadfence_system();
   if (lane == 0 && atomicAdd(done, rows) + rows == *expected) {
@@ -282,10 +106,9 @@ __device__ __forceinline__ void publish_run(Copier& copier, int32_t rows, int32_
 
 // Each warp takes one contiguous share of the rows [first, last), so it makes its rows visible
 // and counts them once per run of rows with the same (destination, expert) or source, not once per row.
-template <int kWarps>
 __device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int32_t* begin, int32_t* end) {
-  const int32_t warps = gridDim.x * kWarps;
-  const int32_t warp = blockIdx.x * kWarps + threadIdx.x / 32;
+  const int32_t warps = gridDim.x * kRowWarps;
+  const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
   const int32_t per_warp = (last - first + warps - 1) / warps;
   *begin = min(last, first + warp * per_warp);
   *end = min(last, *begin + per_warp);
@@ -377,9 +200,7 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   }
 }
 
-template <bool kBulk>
-__global__ void __launch_bounds__(row_threads(kBulk)) ep_dispatch_rows_kernel(EpDispatchArgs a) {
-  constexpr int kWarps = row_threads(kBulk) / 32;
+__global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatchArgs a) {
   const EpConfig& c = a.cfg;
   const int W = c.world, E = c.local_experts, me = c.rank, H = c.hidden, K = c.top_k;
   const int lane = threadIdx.x % 32;
@@ -394,23 +215,22 @@ __global__ void __launch_bounds__(row_threads(kBulk)) ep_dispatch_rows_kernel(Ep
   // This rank's padding rows (each local expert's range rounded up to row_align) get zeros: no
   // peer writes them, and the expert GEMMs reduce over whole tiles, so stale data (NaN or Inf
   // included) must not stay there.
-  const int32_t warp = blockIdx.x * kWarps + threadIdx.x / 32;
+  const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
   for (int e = 0; e < E; ++e) {
     const int32_t first = a.expert_offsets[e] + a.expert_counts[e];
-    for (int32_t r = first + warp; r < a.expert_offsets[e + 1]; r += gridDim.x * kWarps) {
+    for (int32_t r = first + warp; r < a.expert_offsets[e + 1]; r += gridDim.x * kRowWarps) {
       uint4* row = reinterpret_cast<uint4*>(recv_rows + int64_t(r) * H);
       for (int v = lane; v < H / kVec; v += 32) row[v] = make_uint4(0, 0, 0, 0);
     }
   }
 
-  RowCopier<kBulk> copier(lane);
   int32_t run_g = -1;  // global expert of the current run of rows
   int32_t run_rows = 0;
   // Rows of a run are visible on their destination before the run is counted there; the
   // run that completes a (destination, expert) pair signals its arrival counter.
   auto finish_run = [&](bool puts) {
     if (run_rows == 0) return;
-    publish_run(copier, run_rows, &a.scratch.send_done[run_g], &a.send_counts[run_g], arrivals + run_g % E, 1,
+    publish_run(run_rows, &a.scratch.send_done[run_g], &a.send_counts[run_g], arrivals + run_g % E, 1,
                 NVSHMEM_SIGNAL_ADD, static_cast<int>(run_g / E), lane, puts);
     run_rows = 0;
   };
@@ -421,7 +241,7 @@ __global__ void __launch_bounds__(row_threads(kBulk)) ep_dispatch_rows_kernel(Ep
     const int dest = (me + 1 + warp + step) % W;
     const PeerWriter to(a.workspace, dest, c);
     int32_t begin, end;
-    warp_row_range<kWarps>(a.send_offsets[dest * E], a.send_offsets[(dest + 1) * E], &begin, &end);
+    warp_row_range(a.send_offsets[dest * E], a.send_offsets[(dest + 1) * E], &begin, &end);
     for (int32_t batch = begin; batch < end; batch += 32) {
       // Lane l looks up row batch + l (slot, expert, position on the destination, weight), so the
       // row loop below starts each copy without a chain of dependent loads.
@@ -445,8 +265,8 @@ __global__ void __launch_bounds__(row_threads(kBulk)) ep_dispatch_rows_kernel(Ep
           finish_run(to.puts());
           run_g = g;
         }
-        to.row(copier, recv_rows + int64_t(pos) * H, x + int64_t(slot / K) * H, stage_rows + int64_t(batch + i) * H,
-               H, lane);
+        to.row(recv_rows + int64_t(pos) * H, x + int64_t(slot / K) * H, stage_rows + int64_t(batch + i) * H, H,
+               lane);
         if (lane == i) {
           to.value(recv_meta + pos, static_cast<int32_t>(me * S + slot));
           to.value(recv_weights + pos, my_weight);
@@ -465,9 +285,7 @@ __global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchAr
     wait_at_least(arrivals + e, target, a.timeout_ns, a.error, a.cfg.rank, -1, e, kWaitArrivals);
 }
 
-template <bool kBulk>
-__global__ void __launch_bounds__(row_threads(kBulk)) ep_combine_rows_kernel(EpCombineArgs a) {
-  constexpr int kWarps = row_threads(kBulk) / 32;
+__global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineArgs a) {
   const EpConfig& c = a.cfg;
   const int W = c.world, H = c.hidden, me = c.rank;
   const int lane = threadIdx.x % 32;
@@ -486,15 +304,14 @@ __global__ void __launch_bounds__(row_threads(kBulk)) ep_combine_rows_kernel(EpC
     }
   }
   int32_t begin, end;
-  warp_row_range<kWarps>(0, a.expert_offsets[c.local_experts], &begin, &end);
+  warp_row_range(0, a.expert_offsets[c.local_experts], &begin, &end);
   int run_src = -1;  // source rank of the current run of rows
   PeerWriter to(a.workspace, me, c);  // writes into run_src
-  RowCopier<kBulk> copier(lane);
   int32_t run_rows = 0;
   auto finish_run = [&]() {
     if (run_rows == 0) return;
-    publish_run(copier, run_rows, &a.scratch.combine_done[run_src], &a.scratch.recv_from[run_src],
-                combine_flags + me, epoch, NVSHMEM_SIGNAL_SET, run_src, lane, to.puts());
+    publish_run(run_rows, &a.scratch.combine_done[run_src], &a.scratch.recv_from[run_src], combine_flags + me, epoch,
+                NVSHMEM_SIGNAL_SET, run_src, lane, to.puts());
     run_rows = 0;
   };
   for (int32_t batch = begin; batch < end; batch += 32) {
@@ -513,7 +330,7 @@ __global__ void __launch_bounds__(row_threads(kBulk)) ep_combine_rows_kernel(EpC
       }
       const int32_t slot = meta % S;
       const int64_t row = batch + i;
-      to.row(copier, combine_rows + int64_t(slot) * H, rows_in + row * H, stage_rows + row * H, H, lane);
+      to.row(combine_rows + int64_t(slot) * H, rows_in + row * H, stage_rows + row * H, H, lane);
       if (lane == i && a.row_scalars != nullptr) to.value(combine_scalars + slot, my_scalar);
       ++run_rows;
     }
@@ -528,53 +345,24 @@ __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs
     wait_at_least(combine_flags + src, epoch, a.timeout_ns, a.error, a.cfg.rank, src, -1, kWaitCombine);
 }
 
-// Lets the bulk variant `Kernel` use the ring's dynamic shared memory (over the 48 KiB default).
-// The attribute is per device: set once on each.
-template <auto Kernel>
-cudaError_t allow_bulk_smem() {
-  constexpr int kDevices = 64;
-  static std::atomic<bool> set_on[kDevices];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device >= 0 && device < kDevices && set_on[device].load(std::memory_order_acquire)) return cudaSuccess;
-  err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBulkSmemBytes));
-  if (err == cudaSuccess && device >= 0 && device < kDevices) set_on[device].store(true, std::memory_order_release);
-  return err;
-}
-
 }  // namespace
 
 cudaError_t launch_ep_dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
   if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
-  const bool bulk = a.row_copy == EpRowCopy::kBulk;
-  if (!bulk && a.row_copy != EpRowCopy::kLsu) return cudaErrorInvalidValue;
-  if (bulk) {
-    const cudaError_t smem = allow_bulk_smem<ep_dispatch_rows_kernel<true>>();
-    if (smem != cudaSuccess) return smem;
-  }
   const size_t pairs = size_t(a.cfg.world) * a.cfg.local_experts;
   cudaError_t err = cudaMemsetAsync(a.scratch.send_done, 0, pairs * sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
   ep_notify_kernel<<<1, kThreads, 0, stream>>>(a);
-  if (bulk) ep_dispatch_rows_kernel<true><<<a.num_blocks, kBulkThreads, kBulkSmemBytes, stream>>>(a);
-  else ep_dispatch_rows_kernel<false><<<a.num_blocks, kRowThreads, 0, stream>>>(a);
+  ep_dispatch_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
   if (a.wait_arrivals) ep_wait_arrivals_kernel<<<1, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 cudaError_t launch_ep_combine(const EpCombineArgs& a, cudaStream_t stream) {
   if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
-  const bool bulk = a.row_copy == EpRowCopy::kBulk;
-  if (!bulk && a.row_copy != EpRowCopy::kLsu) return cudaErrorInvalidValue;
-  if (bulk) {
-    const cudaError_t smem = allow_bulk_smem<ep_combine_rows_kernel<true>>();
-    if (smem != cudaSuccess) return smem;
-  }
   cudaError_t err = cudaMemsetAsync(a.scratch.combine_done, 0, size_t(a.cfg.world) * sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  if (bulk) ep_combine_rows_kernel<true><<<a.num_blocks, kBulkThreads, kBulkSmemBytes, stream>>>(a);
-  else ep_combine_rows_kernel<false><<<a.num_blocks, kRowThreads, 0, stream>>>(a);
+  ep_combine_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
   ep_wait_combine_kernel<<<1, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }

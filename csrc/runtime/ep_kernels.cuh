@@ -16,14 +16,6 @@
 //            source; the layer skips it and FC1's producer waits per expert instead)
 // combine  = push every received row back to its source's `combine_rows[slot]`,
 //            signal each source when its rows are done, wait for all sources.
-//
-// Row copy to a mapped peer (or this rank), PRIMEMOE_EP_ROW_COPY, read by the binding at every
-// dispatch / combine call (a captured graph keeps the variant it was captured with): `lsu` (the
-// default) copies each row through the warp's registers, 16-byte loads then 16-byte stores (512
-// threads a block); `bulk` has lane 0 of each warp move the rows with cp.async.bulk loads into a
-// per-warp ring of shared-memory buffers and cp.async.bulk stores from there to the destination (256
-// threads a block, about 193 KiB of shared memory; ep_kernels.cu, BulkRowCopier). Any other value is
-// an error. The puts to unmapped peers are the same either way.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,8 +27,6 @@
 #include "ep_workspace.cuh"
 
 namespace primemoe {
-
-enum class EpRowCopy : int32_t { kLsu = 0, kBulk = 1 };  // PRIMEMOE_EP_ROW_COPY
 
 struct EpScratch {      // plain device memory, [W * E_local] / [W] ints, owned by the caller
   int32_t* send_base;   // [W][E_local] first row of this rank's rows in dest's receive region
@@ -66,7 +56,6 @@ struct EpDispatchArgs {
   int32_t num_blocks;
   // false: the caller's GEMM waits per expert on expert_arrivals itself (its producer's hook).
   bool wait_arrivals;
-  EpRowCopy row_copy;
   uint64_t timeout_ns;
   ErrorRecord* error;
 };
@@ -81,7 +70,6 @@ struct EpCombineArgs {
   const int32_t* expert_offsets;  // [E_local + 1] from this epoch's dispatch
   EpScratch scratch;
   int32_t num_blocks;
-  EpRowCopy row_copy;
   uint64_t timeout_ns;
   ErrorRecord* error;
 };

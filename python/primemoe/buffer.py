@@ -16,13 +16,6 @@ workspace, which exists only when some rank needs it. ``PRIMEMOE_EP_TRANSPORT``,
 when a Buffer is created: ``auto`` (the default) or ``put``, which sends to every other
 rank by puts, as if it were on another node (on one node NVSHMEM still carries them over
 NVLink: it tests the put path).
-
-``PRIMEMOE_EP_ROW_COPY``, read at every dispatch and combine call (a captured graph keeps the
-variant it was captured with), chooses how rows are copied to the mapped ranks (and this one):
-``lsu`` (the default), each warp copies a row through its registers by 16-byte loads and stores,
-or ``bulk``, one thread per warp moves the rows by Hopper bulk copies (``cp.async.bulk``) through
-a ring of shared-memory buffers (csrc/runtime/ep_kernels.cu). Any other value raises an error at
-the call. The puts are the same either way.
 """
 
 from __future__ import annotations
