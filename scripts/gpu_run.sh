@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build primemoe on the GPU machine (no network there: the
 # nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
-# the benchmark. Logs and results land in $OUT (default ./gpu-out).
+# the benchmark. Logs and results land in $OUT (default ./gpu-out). REUSE_BUILD=1 skips the build when
+# an earlier call on the same (still warm) machine built these sources.
 #   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|comm|sanitize|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
@@ -20,10 +21,18 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 $PY -m pip install -q --no-index --no-deps --target /tmp/cutlass-site .whl/nvidia_cutlass-*.whl || exit 1
 export PYTHONPATH=/tmp/cutlass-site
 start=$(date +%s)
-PRIMEMOE_BUILD_JOBS=$(nproc) $PY -m pip wheel -q --no-build-isolation --no-deps --no-index -w "$OUT/wheel" . \
-  > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-$PY -m pip install -q --no-index --no-deps --force-reinstall "$OUT"/wheel/primemoe-*.whl >> "$OUT/build.log" 2>&1 || exit 1
-echo "build+install: $(( $(date +%s) - start )) s; wheel: $(ls "$OUT/wheel")"
+# REUSE_BUILD=1: keep what an earlier call on this (still warm) machine built from the same sources.
+src_hash=$(find csrc python setup.py CMakeLists.txt -type f ! -name '*.so' ! -path '*__pycache__*' | sort | xargs sha1sum | sha1sum)
+if [ "${REUSE_BUILD:-0}" = 1 ] && [ "$(cat /tmp/primemoe-built-sources 2>/dev/null)" = "$src_hash" ] \
+   && $PY -c "import primemoe._C" 2>/dev/null; then
+  echo "build: reusing the earlier install of these sources"
+else
+  PRIMEMOE_BUILD_JOBS=$(nproc) $PY -m pip wheel -q --no-build-isolation --no-deps --no-index -w "$OUT/wheel" . \
+    > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  $PY -m pip install -q --no-index --no-deps --force-reinstall "$OUT"/wheel/primemoe-*.whl >> "$OUT/build.log" 2>&1 || exit 1
+  echo "$src_hash" > /tmp/primemoe-built-sources
+  echo "build+install: $(( $(date +%s) - start )) s; wheel: $(ls "$OUT/wheel")"
+fi
 export PYTHONPATH=
 SO=$($PY -c "import primemoe._C as c; print(c.__file__)")
 
