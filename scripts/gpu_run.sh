@@ -3,7 +3,7 @@
 # nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
 # the benchmark. Logs and results land in $OUT (default ./gpu-out). REUSE_BUILD=1 skips the build when
 # an earlier call on the same (still warm) machine built these sources.
-#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|comm|sanitize|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|ncu235|comm|sanitize|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
@@ -22,7 +22,7 @@ $PY -m pip install -q --no-index --no-deps --target /tmp/cutlass-site .whl/nvidi
 export PYTHONPATH=/tmp/cutlass-site
 start=$(date +%s)
 # REUSE_BUILD=1: keep what an earlier call on this (still warm) machine built from the same sources.
-src_hash=$(find csrc python setup.py CMakeLists.txt -type f ! -name '*.so' ! -path '*__pycache__*' | sort | xargs sha1sum | sha1sum)
+src_hash=$(find csrc python setup.py CMakeLists.txt -type f ! -name '*.so' ! -path '*__pycache__*' ! -path '*.egg-info*' | sort | xargs sha1sum | sha1sum)
 if [ "${REUSE_BUILD:-0}" = 1 ] && [ "$(cat /tmp/primemoe-built-sources 2>/dev/null)" = "$src_hash" ] \
    && $PY -c "import primemoe._C" 2>/dev/null; then
   echo "build: reusing the earlier install of these sources"
@@ -60,9 +60,12 @@ for step in $STEPS; do
              --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     comm) $PY -m primemoe.bench --comm --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
             --out "$OUT/comm" 2>&1 | tee "$OUT/comm.log" | tail -30 ;;
-    ncu) ncu --clock-control none -k regex:grouped_gemm_kernel --launch-skip 3 --launch-count 3 \
-           --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
-           $PY scripts/ncu_engine.py > "$OUT/ncu.log" 2>&1
+    ncu|ncu235)  # ncu235: Qwen3-235B-A22B at T = 8192
+      shape_args=""; [ "$step" = ncu235 ] && shape_args="--shape qwen3-235b-a22b --tokens 8192"
+      ncu --clock-control none -k regex:grouped_gemm_kernel --launch-skip 3 --launch-count 3 \
+           --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+           --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
+           $PY scripts/ncu_engine.py $shape_args > "$OUT/ncu.log" 2>&1
          grep -E "grouped_gemm_kernel|Duration|Throughput|Hit Rate|Stall|Warp Cycles Per Issued|Issue Slots|SM Busy|Ipc|Bank" "$OUT/ncu.log" | head -120 ;;
     sanitize)
       for tool in memcheck racecheck; do

@@ -1,13 +1,22 @@
-"""The engine's forward GEMMs at Qwen3-30B-A3B, T = 16384, for Nsight Compute: each kernel runs
-once to warm up, then once more (profile with --launch-skip 3 --launch-count 3):
-fc1_swiglu_gather, fc1_swiglu over pre-gathered rows, FC2 (expert_gemm with the routing weight)."""
+"""The engine's forward GEMMs, for Nsight Compute: each kernel runs once to warm up, then once
+more (profile with --launch-skip 3 --launch-count 3): fc1_swiglu_gather, fc1_swiglu over
+pre-gathered rows, FC2 (expert_gemm with the routing weight).
+Usage: python scripts/ncu_engine.py [--shape qwen3-30b-a3b|qwen3-235b-a22b] [--tokens 16384]"""
+
+import argparse
 
 import torch
 
 from primemoe import ops, route
 
 lib = torch.ops.primemoe
-H, I, E, K, T = 2048, 768, 128, 8, 16384
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "qwen3-235b-a22b": (4096, 1536, 128, 8)}
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+parser.add_argument("--tokens", type=int, default=16384)
+args = parser.parse_args()
+H, I, E, K = SHAPES[args.shape]
+T = args.tokens
 
 gen = torch.Generator("cuda").manual_seed(0)
 x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
