@@ -614,7 +614,7 @@ void check_row_weight(const std::optional<at::Tensor>& row_weight, const at::Ten
 }
 
 at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
-                            const std::optional<at::Tensor>& row_weight) {
+                            const std::optional<at::Tensor>& row_weight, bool zero_unrouted) {
   check_expert_gemm_args(rows, w, offsets, w_kn);
   check_row_weight(row_weight, rows);
   const c10::cuda::CUDAGuard guard(rows.device());
@@ -623,6 +623,7 @@ at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const a
   if (rows.size(0) == 0) return out;
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kStore, rows, w, !w_kn, 0, n, rows.size(1), offsets, out);
   g.row_weight = row_weight.has_value() ? row_weight->data_ptr<float>() : nullptr;
+  g.skip_unrouted_rows = !zero_unrouted;
   run_gemm(g, rows, "expert_gemm");
   return out;
 }
@@ -640,8 +641,9 @@ at::Tensor expert_products_cpu(const at::Tensor& rows, const at::Tensor& w, cons
   return out;
 }
 
+// On the CPU the rows past the routed ones are zeros either way (zeros are one of the undefined values).
 at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
-                           const std::optional<at::Tensor>& row_weight) {
+                           const std::optional<at::Tensor>& row_weight, bool) {
   check_expert_gemm_args(rows, w, offsets, w_kn);
   check_row_weight(row_weight, rows);
   auto out = expert_products_cpu(rows, w, offsets, w_kn);
@@ -679,7 +681,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
                                                    const at::Tensor& offsets, bool keep_fc1,
                                                    const std::optional<at::Tensor>& rows_ready,
                                                    const std::optional<at::Tensor>& epoch, int64_t per_epoch,
-                                                   int64_t rank) {
+                                                   int64_t rank, bool zero_unrouted) {
   check_fc1_args(rows, w1, offsets);
   check_rows_ready(rows_ready, epoch, w1, per_epoch);
   const c10::cuda::CUDAGuard guard(rows.device());
@@ -689,6 +691,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
   if (rows.size(0) == 0) return {a, h};
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, rows, w1, true, 0, inter, rows.size(1), offsets, a);
   g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
+  g.skip_unrouted_rows = !zero_unrouted;
   if (rows_ready.has_value()) {
     g.hook.counters = reinterpret_cast<const uint64_t*>(rows_ready->data_ptr<int64_t>());
     g.hook.epoch = epoch->data_ptr<int64_t>();
@@ -706,7 +709,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cpu(const at::Tensor& rows, const 
                                                   const at::Tensor& offsets, bool keep_fc1,
                                                   const std::optional<at::Tensor>& rows_ready,
                                                   const std::optional<at::Tensor>& epoch, int64_t per_epoch,
-                                                  int64_t) {
+                                                  int64_t, bool) {
   check_fc1_args(rows, w1, offsets);
   check_rows_ready(rows_ready, epoch, w1, per_epoch);
   const int64_t inter = w1.size(1) / 2;
@@ -756,7 +759,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cpu(const at::Tensor& x, co
                                                          const at::Tensor& offsets, bool keep_fc1) {
   check_fc1_gather_args(x, row_to_slot, top_k, w1, offsets);
   return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt), w1, offsets, keep_fc1, std::nullopt,
-                        std::nullopt, 1, 0);
+                        std::nullopt, 1, 0, true);
 }
 
 void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const at::Tensor& h,
@@ -776,7 +779,7 @@ void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const
 // dot[:, p] = <da, a> over activation columns [256 p, 256 p + 256) (summed into d_topk_weights).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
                                                                       const at::Tensor& h, const at::Tensor& row_weight,
-                                                                      const at::Tensor& offsets) {
+                                                                      const at::Tensor& offsets, bool zero_unrouted) {
   check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
   const c10::cuda::CUDAGuard guard(dy_rows.device());
   const int64_t rows = dy_rows.size(0);
@@ -791,13 +794,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cuda(const at::T
   g.row_weight = row_weight.data_ptr<float>();
   g.out_dh = dh.data_ptr();
   g.out_dot = dot.data_ptr<float>();
+  g.skip_unrouted_rows = !zero_unrouted;
   run_gemm(g, dy_rows, "fc2_dgrad_swiglu");
   return {dh, aw, dot};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cpu(const at::Tensor& dy_rows, const at::Tensor& w2,
                                                                      const at::Tensor& h, const at::Tensor& row_weight,
-                                                                     const at::Tensor& offsets) {
+                                                                     const at::Tensor& offsets, bool) {
   check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
   const int64_t inter = w2.size(2);
   auto da = expert_products_cpu(dy_rows, w2, offsets, true);
@@ -874,16 +878,20 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
   m.def("copy_routed_rows(Tensor rows, Tensor expert_offsets) -> Tensor");
-  m.def("expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn, Tensor? row_weight=None) -> Tensor");
+  // zero_unrouted=False: output rows at or past expert_offsets[-1] are left unwritten (undefined), for
+  // callers that read only the routed rows.
+  m.def(
+      "expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn, Tensor? row_weight=None, "
+      "bool zero_unrouted=True) -> Tensor");
   m.def(
       "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
-      "Tensor? epoch=None, int per_epoch=1, int rank=0) -> (Tensor a, Tensor h)");
+      "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True) -> (Tensor a, Tensor h)");
   m.def(
       "fc1_swiglu_gather(Tensor x, Tensor row_to_slot, int top_k, Tensor w1, Tensor expert_offsets, bool keep_fc1) "
       "-> (Tensor a, Tensor h)");
   m.def(
-      "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets) "
-      "-> (Tensor dh, Tensor aw, Tensor dot)");
+      "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets, "
+      "bool zero_unrouted=True) -> (Tensor dh, Tensor aw, Tensor dot)");
   m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets) -> Tensor");
   m.def("expert_gemm_unsupported(int device, int hidden, int intermediate) -> str", &expert_gemm_unsupported_op);
   m.def("take_error(int device) -> int[]", &take_error_op);

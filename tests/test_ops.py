@@ -107,6 +107,17 @@ def test_opcheck_fc1_swiglu(engine, keep_fc1):
     torch.library.opcheck(ops.fc1_swiglu, (engine.xs, engine.w1, engine.offsets, keep_fc1))
 
 
+def test_opcheck_row_gemms_with_zero_unrouted_false(engine):
+    e = engine
+    no_zeros = {"zero_unrouted": False}
+    torch.library.opcheck(ops.fc1_swiglu, (e.xs, e.w1, e.offsets, True), no_zeros)
+    torch.library.opcheck(ops.expert_gemm, (e.a, e.w2, e.offsets, False, e.row_weight), no_zeros)
+    torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets), no_zeros)
+    routed = int(e.offsets[-1])
+    got = ops.expert_gemm(e.h, e.w1, e.offsets, True, zero_unrouted=False)
+    assert torch.equal(got[:routed], ops.expert_gemm(e.h, e.w1, e.offsets, True)[:routed])
+
+
 @pytest.mark.parametrize("keep_fc1", [True, False])
 def test_opcheck_fc1_swiglu_gather(keep_fc1):
     g = gather_operands(50, 3, 3, 64, 256, "masked", seed=9)

@@ -58,6 +58,9 @@ struct GroupedGemmArgs {
   const void* b;
   bool b_k_major;
   int64_t num_rows;  // allocated rows of the row operands and outputs (>= expert_offsets[E])
+  // kRows: output rows past expert_offsets[E] are left unwritten instead of zeroed (for callers that
+  // read only the routed rows, e.g. the expert-parallel path, whose buffers are sized for the worst case).
+  bool skip_unrouted_rows;
   int32_t m;         // kExperts only: output rows per expert
   int32_t n;         // output columns (kSwiGLU: of the activation, i.e. half of b's rows)
   int32_t k;         // kRows only: reduction length

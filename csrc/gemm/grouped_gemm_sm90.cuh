@@ -192,10 +192,11 @@ struct TileWalker {
     n_tiles = a.n / gemm_tile_n(E);
     if constexpr (S == GemmSchedule::kRows) {
       // Every allocated row gets a tile: rows past the last expert are written as zeros, so no
-      // output element is left undefined.
+      // output element is left undefined; unless the caller reads only the routed rows.
       m_tiles = 0;
       routed_rows = a.expert_offsets[a.num_experts];
-      total = (a.num_rows + kGemmRowAlign - 1) / kGemmRowAlign * n_tiles;
+      const int64_t rows = a.skip_unrouted_rows ? routed_rows : a.num_rows;
+      total = (rows + kGemmRowAlign - 1) / kGemmRowAlign * n_tiles;
     } else {
       m_tiles = a.m / 128;
       total = int64_t(a.num_experts) * m_tiles * n_tiles;

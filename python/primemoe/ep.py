@@ -69,10 +69,13 @@ class _ExpertParallelMoE(torch.autograd.Function):
         # so its tiles start as soon as their expert's rows have landed.
         _, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights, wait=not engine)
         xs = buffer.region("recv_rows")
-        a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, buffer.rows_ready() if engine else None)
+        # The receive region is sized for the worst case and only its routed rows are read downstream:
+        # the GEMMs leave the rows past them unwritten (zero_unrouted=False) instead of zeroing them.
+        a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, buffer.rows_ready() if engine else None,
+                          zero_unrouted=False)
         # Read by FC2, after FC1 has waited for every expert's rows: their weights have landed too.
         # Padding rows have weight 0 (the dispatch writes it); rows past the last expert are never sent back.
-        o = expert_fc2(a, w2, offsets, buffer.region("recv_weights"), engine)
+        o = expert_fc2(a, w2, offsets, buffer.region("recv_weights"), engine, zero_unrouted=False)
         buffer.combine(o, offsets)
         y = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)
         if wants_grad:
@@ -96,7 +99,8 @@ class _ExpertParallelMoE(torch.autograd.Function):
         dy_rows = buffer.region("recv_rows")
         row_weight = buffer.region("recv_weights")
         # dtw_rows: one fp32 dot per received row, sent back to its slot as the routing-weight gradient.
-        dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, ctx.engine)
+        dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, ctx.engine,
+                                                  zero_unrouted=False)
         buffer.combine(dxs, offsets, dtw_rows)
         dx = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)
         d_topk_weights = torch.where(slot_valid, buffer.region("combine_scalars")[:T * K].view(T, K), 0.0)

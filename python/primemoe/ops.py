@@ -99,12 +99,13 @@ def _copy_routed_rows_fake(rows, expert_offsets):
 
 
 @torch.library.register_fake("primemoe::expert_gemm")
-def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None):
+def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True):
     return rows.new_empty(rows.shape[0], w.shape[2] if w_kn else w.shape[1])
 
 
 @torch.library.register_fake("primemoe::fc1_swiglu")
-def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, per_epoch=1, rank=0):
+def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, per_epoch=1, rank=0,
+                     zero_unrouted=True):
     inter = w1.shape[1] // 2
     return rows.new_empty(rows.shape[0], inter), rows.new_empty(rows.shape[0] if keep_fc1 else 0, 2 * inter)
 
@@ -116,7 +117,7 @@ def _fc1_swiglu_gather_fake(x, row_to_slot, top_k, w1, expert_offsets, keep_fc1)
 
 
 @torch.library.register_fake("primemoe::fc2_dgrad_swiglu")
-def _fc2_dgrad_swiglu_fake(dy_rows, w2, h, row_weight, expert_offsets):
+def _fc2_dgrad_swiglu_fake(dy_rows, w2, h, row_weight, expert_offsets, zero_unrouted=True):
     R, inter = dy_rows.shape[0], w2.shape[2]
     return (dy_rows.new_empty(R, 2 * inter), dy_rows.new_empty(R, inter),
             dy_rows.new_empty(R, inter // 256, dtype=torch.float32))
@@ -190,26 +191,28 @@ def row_weights(topk_weights, row_to_slot):
     return torch.where(row_to_slot >= 0, w, 0.0)
 
 
-def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None):
+def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, zero_unrouted=True):
     """FC1 + SwiGLU per expert over the expert-major rows: ``(a, h or an empty [0, 2I])``.
     ``rows_ready`` (engine only): ``(counters, epoch, per_epoch, rank)``: FC1's producer waits for
-    ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows."""
+    ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows.
+    ``zero_unrouted=False`` (here and below): rows past ``offsets[-1]`` of the outputs are left
+    undefined instead of zeroed, for callers that read only the routed rows."""
     if engine:
-        return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, *(rows_ready or ()))
+        return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, *(rows_ready or ()), zero_unrouted=zero_unrouted)
     h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets[1:])
     return swiglu(h), (h if keep_fc1 else h.new_empty(0, h.shape[1]))
 
 
-def expert_fc2(a, w2, offsets, row_weight, engine):
+def expert_fc2(a, w2, offsets, row_weight, engine, zero_unrouted=True):
     """``row_weight * FC2(a)`` per expert: the routing weight is applied here (in the engine's
     epilogue), so the combine only sums a token's rows."""
     if engine:
-        return lib.expert_gemm(a, w2, offsets, False, row_weight)
+        return lib.expert_gemm(a, w2, offsets, False, row_weight, zero_unrouted=zero_unrouted)
     o = torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets[1:])
     return (o.float() * row_weight.unsqueeze(1)).to(o.dtype)
 
 
-def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine):
+def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine, zero_unrouted=True):
     """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
     *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed). Returns
     ``(dxs, dw1, dw2, dtw_rows)``; ``dtw_rows[r] = <dy_r, FC2 output_r>`` = ``<da_r, a_r>``
@@ -218,10 +221,10 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine):
     the routed rows, ``torch._grouped_mm`` reads only the rows inside its groups."""
     if engine:
         if h is None:  # the pre-activations only: FC1 without its SwiGLU epilogue
-            h = lib.expert_gemm(xs, w1, offsets, False)
-        dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets)
+            h = lib.expert_gemm(xs, w1, offsets, False, zero_unrouted=zero_unrouted)
+        dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets, zero_unrouted=zero_unrouted)
         dw2 = lib.expert_wgrad(dy_rows, aw, offsets)
-        dxs = lib.expert_gemm(dh, w1, offsets, True)
+        dxs = lib.expert_gemm(dh, w1, offsets, True, zero_unrouted=zero_unrouted)
         dw1 = lib.expert_wgrad(dh, xs, offsets)
         return dxs, dw1, dw2, dot.sum(1)
     ends = offsets[1:]

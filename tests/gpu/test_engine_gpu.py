@@ -108,6 +108,28 @@ def test_engine_ops_are_bitwise_repeatable():
     assert torch.equal(w, ops.expert_wgrad(gpu.h, gpu.xs, gpu.offsets))
 
 
+@pytest.mark.parametrize("counts", ["mixed", "all_empty"])
+def test_zero_unrouted_false_keeps_the_routed_rows(counts):
+    """zero_unrouted=False only skips the tiles past the routed rows (300 spare rows: whole tiles)."""
+    hidden, inter = SHAPES["small"]
+    g = engine_operands(COUNTS[counts], hidden, inter, seed=5, device="cuda", spare_rows=300)
+    routed = int(g.offsets[-1])
+    poison_caching_allocator()
+    calls = {
+        "fc1_swiglu": lambda **kw: ops.fc1_swiglu(g.xs, g.w1, g.offsets, True, **kw),
+        "fc2 weighted": lambda **kw: ops.expert_gemm(g.a, g.w2, g.offsets, False, g.row_weight, **kw),
+        "fc1 dgrad": lambda **kw: ops.expert_gemm(g.h, g.w1, g.offsets, True, **kw),
+        "fc2_dgrad_swiglu": lambda **kw: ops.fc2_dgrad_swiglu(g.dy_rows, g.w2, g.h, g.row_weight, g.offsets, **kw),
+    }
+    for name, call in calls.items():
+        full = call()
+        skipped = call(zero_unrouted=False)
+        for want, got in zip(full if isinstance(full, tuple) else (full,),
+                             skipped if isinstance(skipped, tuple) else (skipped,)):
+            assert got.shape == want.shape, name
+            assert torch.equal(got[:routed], want[:routed]), f"{name}: routed rows differ"
+
+
 def test_opcheck_engine_ops_on_cuda():
     e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=4, device="cuda")
     torch.library.opcheck(ops.fc1_swiglu, (e.xs, e.w1, e.offsets, True))
