@@ -8,7 +8,8 @@
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
 # smoke: one small forward+backward (stops the run if it fails or hangs); stages: per-stage times of the single-GPU layer (scripts/stage_times.py);
-# ncu: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py).
+# ncu / ncu235: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py) at 30B T = 16384
+# / 235B T = 8192.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -22,7 +23,8 @@ $PY -m pip install -q --no-index --no-deps --target /tmp/cutlass-site .whl/nvidi
 export PYTHONPATH=/tmp/cutlass-site
 start=$(date +%s)
 # REUSE_BUILD=1: keep what an earlier call on this (still warm) machine built from the same sources.
-src_hash=$(find csrc python setup.py CMakeLists.txt -type f ! -name '*.so' ! -path '*__pycache__*' ! -path '*.egg-info*' | sort | xargs sha1sum | sha1sum)
+src_hash=$(find csrc python third_party .whl setup.py pyproject.toml CMakeLists.txt -type f ! -name '*.so' \
+             ! -path '*__pycache__*' ! -path '*.egg-info*' | sort | xargs sha1sum | sha1sum)
 if [ "${REUSE_BUILD:-0}" = 1 ] && [ "$(cat /tmp/primemoe-built-sources 2>/dev/null)" = "$src_hash" ] \
    && $PY -c "import primemoe._C" 2>/dev/null; then
   echo "build: reusing the earlier install of these sources"
@@ -65,8 +67,8 @@ for step in $STEPS; do
       ncu --clock-control none -k regex:grouped_gemm_kernel --launch-skip 3 --launch-count 3 \
            --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
            --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
-           $PY scripts/ncu_engine.py $shape_args > "$OUT/ncu.log" 2>&1
-         grep -E "grouped_gemm_kernel|Duration|Throughput|Hit Rate|Stall|Warp Cycles Per Issued|Issue Slots|SM Busy|Ipc|Bank" "$OUT/ncu.log" | head -120 ;;
+           $PY scripts/ncu_engine.py $shape_args > "$OUT/$step.log" 2>&1
+         grep -E "grouped_gemm_kernel|Duration|Throughput|Hit Rate|Stall|Warp Cycles Per Issued|Issue Slots|SM Busy|Ipc|Bank" "$OUT/$step.log" | head -120 ;;
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py > "$OUT/sanitize-$tool.log" 2>&1

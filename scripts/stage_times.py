@@ -29,8 +29,9 @@ def time_once(fn):
 
 def timed_round_robin(fns, iters=20):
     """Median ms of each function, the functions interleaved."""
-    for fn in fns:
-        fn()
+    for _ in range(3):
+        for fn in fns:
+            fn()
     times = [[] for _ in fns]
     for _ in range(iters):
         for fn, t in zip(fns, times):

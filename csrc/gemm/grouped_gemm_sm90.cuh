@@ -195,7 +195,7 @@ struct TileWalker {
       // output element is left undefined; unless the caller reads only the routed rows.
       m_tiles = 0;
       routed_rows = a.expert_offsets[a.num_experts];
-      const int64_t rows = a.skip_unrouted_rows ? routed_rows : a.num_rows;
+      const int64_t rows = a.skip_unrouted_rows ? min(int64_t(routed_rows), a.num_rows) : a.num_rows;
       total = (rows + kGemmRowAlign - 1) / kGemmRowAlign * n_tiles;
     } else {
       m_tiles = a.m / 128;

@@ -226,6 +226,8 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine, zero_un
         dw2 = lib.expert_wgrad(dy_rows, aw, offsets)
         dxs = lib.expert_gemm(dh, w1, offsets, True, zero_unrouted=zero_unrouted)
         dw1 = lib.expert_wgrad(dh, xs, offsets)
+        # With zero_unrouted=False the rows past offsets[-1] of dot are undefined, and so are their
+        # sums; nobody reads those rows.
         return dxs, dw1, dw2, dot.sum(1)
     ends = offsets[1:]
     if h is None:

@@ -110,11 +110,12 @@ def test_engine_ops_are_bitwise_repeatable():
 
 @pytest.mark.parametrize("counts", ["mixed", "all_empty"])
 def test_zero_unrouted_false_keeps_the_routed_rows(counts):
-    """zero_unrouted=False only skips the tiles past the routed rows (300 spare rows: whole tiles)."""
+    """zero_unrouted=False skips the tiles past the routed rows (300 spare rows: two whole tiles and part
+    of a third) and nothing else: the routed rows are bitwise those of the zeroing run, the rest keep
+    the allocator's poison."""
     hidden, inter = SHAPES["small"]
     g = engine_operands(COUNTS[counts], hidden, inter, seed=5, device="cuda", spare_rows=300)
     routed = int(g.offsets[-1])
-    poison_caching_allocator()
     calls = {
         "fc1_swiglu": lambda **kw: ops.fc1_swiglu(g.xs, g.w1, g.offsets, True, **kw),
         "fc2 weighted": lambda **kw: ops.expert_gemm(g.a, g.w2, g.offsets, False, g.row_weight, **kw),
@@ -123,11 +124,14 @@ def test_zero_unrouted_false_keeps_the_routed_rows(counts):
     }
     for name, call in calls.items():
         full = call()
+        poison_caching_allocator()
         skipped = call(zero_unrouted=False)
         for want, got in zip(full if isinstance(full, tuple) else (full,),
                              skipped if isinstance(skipped, tuple) else (skipped,)):
             assert got.shape == want.shape, name
             assert torch.equal(got[:routed], want[:routed]), f"{name}: routed rows differ"
+            assert not want[routed:].any(), f"{name}: the default must zero the rows past the routed ones"
+            assert got[routed:].isnan().all(), f"{name}: a row past the routed ones was written"
 
 
 def test_opcheck_engine_ops_on_cuda():
