@@ -3,6 +3,7 @@
 # nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
 # the benchmark. Logs and results land in $OUT (default ./gpu-out). REUSE_BUILD=1 skips the build when
 # an earlier call on the same (still warm) machine built these sources.
+# PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
 #   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|ncu235|comm|sanitize|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;

@@ -172,3 +172,14 @@ def test_symm_mem_failure_is_na_and_comm_table():
     assert lines[3].count("n/a") >= 7 and lines[3].endswith("n/a: rank 0: RuntimeError: no NVSHMEM")
     md = bench.format_table([ok, na], markdown=True, columns=bench.COMM_COLUMNS)
     assert md.count("\n") == 3 and md.startswith("| shape |")
+
+
+def test_git_commit_falls_back_to_the_environment_without_a_checkout(monkeypatch):
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(bench.subprocess, "run", no_git)
+    monkeypatch.setenv("PRIMEMOE_GIT_COMMIT", "abc1234")
+    assert bench._git_commit() == "abc1234"
+    monkeypatch.delenv("PRIMEMOE_GIT_COMMIT")
+    assert bench._git_commit() is None

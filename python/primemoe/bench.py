@@ -622,12 +622,16 @@ def format_table(results: list, markdown: bool = False, columns: list = COLUMNS)
 
 
 def _git_commit() -> Optional[str]:
+    """The checkout's commit, else ``PRIMEMOE_GIT_COMMIT`` (a copy of the sources without ``.git``,
+    as on a remote GPU machine), else None."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
+        out = None
+    if out is not None and out.returncode == 0:
+        return out.stdout.strip()
+    return os.environ.get("PRIMEMOE_GIT_COMMIT") or None
 
 
 def _timing_note(args) -> str:
