@@ -392,23 +392,33 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const int frag_col = 2 * (wtid % 4);
     uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
     const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
-    // Column halves [j0, j0 + kHalvesPerRound) of the accumulator (128 columns each) as bf16 into boxes
-    // 0-1 (and 2-3), the thread's two rows (frag_row, frag_row + 8) scaled by scale0 and scale1.
+    // The accumulator as bf16 through the staging boxes into `map`, kBoxes / 2 of its 128-column halves per
+    // round; half j goes to columns [col(j), col(j) + 128) of rows row0..; the thread's two rows (frag_row,
+    // frag_row + 8) are scaled by scale0 and scale1.
     constexpr int kHalvesPerRound = Pipeline<S, E>::kBoxes / 2;
-    auto stage_halves = [&](int j0, float scale0, float scale1) {
-      staging_acquire(wg, wtid);
+    auto store_halves = [&](const CUtensorMap* map, auto col, float scale0, float scale1) {
       CUTE_UNROLL
-      for (int j = 0; j < kHalvesPerRound; ++j) {
+      for (int j0 = 0; j0 < 2; j0 += kHalvesPerRound) {
+        staging_acquire(wg, wtid);
         CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) {
-          const int r = frag_row + 8 * ((i >> 1) & 1);
-          const int c = frag_col + 8 * (i >> 2);
-          const float scale = (i >> 1) & 1 ? scale1 : scale0;
-          const int v = kHalf * (j0 + j) + i;
-          put_pair(slots, 2 * j + c / 64, r, c % 64, pack(acc(v) * scale, acc(v + 1) * scale));
+        for (int j = 0; j < kHalvesPerRound; ++j) {
+          CUTE_UNROLL
+          for (int i = 0; i < kHalf; i += 2) {
+            const int r = frag_row + 8 * ((i >> 1) & 1);
+            const int c = frag_col + 8 * (i >> 2);
+            const float scale = (i >> 1) & 1 ? scale1 : scale0;
+            const int v = kHalf * (j0 + j) + i;
+            put_pair(slots, 2 * j + c / 64, r, c % 64, pack(acc(v) * scale, acc(v + 1) * scale));
+          }
+        }
+        staging_release(wg);
+        if (wtid == 0) {
+          for (int b = 0; b < 2 * kHalvesPerRound; ++b) {
+            tma_store(map, slots + b * kBoxBytes, col(j0 + b / 2) + 64 * (b % 2), row0);
+          }
+          store_commit();
         }
       }
-      staging_release(wg);
     };
     if constexpr (E == GemmEpilogue::kStore) {
       float scale[2] = {1.0f, 1.0f};
@@ -419,30 +429,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           scale[h] = tile.k_tiles > 0 && r < args.num_rows ? args.row_weight[r] : 0.0f;
         }
       }
-      CUTE_UNROLL
-      for (int j0 = 0; j0 < 2; j0 += kHalvesPerRound) {
-        stage_halves(j0, scale[0], scale[1]);
-        if (wtid == 0) {
-          for (int b = 0; b < 2 * kHalvesPerRound; ++b) {
-            tma_store(&p.tma_out, slots + b * kBoxBytes, tile.n_tile * kGemmTileN + 128 * j0 + 64 * b, row0);
-          }
-          store_commit();
-        }
-      }
+      store_halves(&p.tma_out, [&](int j) { return tile.n_tile * kGemmTileN + 128 * j; }, scale[0], scale[1]);
     } else if constexpr (E == GemmEpilogue::kSwiGLU) {
       // The pre-activations, rounded to bf16 as kept for the backward: gate half, then up half.
       if (args.out_h != nullptr) {
-        CUTE_UNROLL
-        for (int j0 = 0; j0 < 2; j0 += kHalvesPerRound) {
-          stage_halves(j0, 1.0f, 1.0f);
-          if (wtid == 0) {
-            for (int b = 0; b < 2 * kHalvesPerRound; ++b) {
-              const int32_t col = int32_t(n) * (j0 + b / 2) + tile.n_tile * 128 + 64 * (b % 2);
-              tma_store(&p.tma_out2, slots + b * kBoxBytes, col, row0);
-            }
-            store_commit();
-          }
-        }
+        store_halves(&p.tma_out2, [&](int j) { return int32_t(n) * j + tile.n_tile * 128; }, 1.0f, 1.0f);
       }
       staging_acquire(wg, wtid);
       CUTE_UNROLL
