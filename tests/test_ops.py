@@ -113,9 +113,7 @@ def test_opcheck_row_gemms_with_zero_unrouted_false(engine):
     torch.library.opcheck(ops.fc1_swiglu, (e.xs, e.w1, e.offsets, True), no_zeros)
     torch.library.opcheck(ops.expert_gemm, (e.a, e.w2, e.offsets, False, e.row_weight), no_zeros)
     torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets), no_zeros)
-    routed = int(e.offsets[-1])
-    got = ops.expert_gemm(e.h, e.w1, e.offsets, True, zero_unrouted=False)
-    assert torch.equal(got[:routed], ops.expert_gemm(e.h, e.w1, e.offsets, True)[:routed])
+    torch.library.opcheck(ops.expert_gemm, (e.h, e.w1, e.offsets, True), no_zeros)
 
 
 @pytest.mark.parametrize("keep_fc1", [True, False])
