@@ -8,9 +8,9 @@ import argparse
 import torch
 
 from primemoe import ops, route
+from primemoe.bench import SHAPES
 
 lib = torch.ops.primemoe
-SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "qwen3-235b-a22b": (4096, 1536, 128, 8)}
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
 parser.add_argument("--tokens", type=int, default=16384)
