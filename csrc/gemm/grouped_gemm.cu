@@ -144,7 +144,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, 64);
   if (err != cudaSuccess) return err;
   const int grid = a.num_sms > 0 ? a.num_sms : 1;
-  if (a.a_row_src != nullptr) return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true>(params, grid, stream);
+  if (a.a_row_src != nullptr) {
+    return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true>(params, grid, stream);
+  }
   switch (a.schedule) {
     case GemmSchedule::kRows:
       switch (a.epilogue) {

@@ -26,7 +26,6 @@ constexpr int32_t kGemmTileN = 256;     // output columns per tile (two 128-colu
 constexpr int32_t kGemmTileK = 64;
 constexpr int kMaxDevices = 64;         // per-device caches of the host side
 
-
 enum class GemmSchedule : int32_t { kRows = 0, kExperts = 1 };
 
 enum class GemmEpilogue : int32_t {

@@ -66,8 +66,9 @@ struct SharedStorage {
 template <GemmSchedule S, GemmEpilogue E>
 using SharedStorageOf = SharedStorage<Pipeline<S, E>::kStages, Pipeline<S, E>::kBoxes>;
 
+// + room to align the base to 1 KiB (swizzle atoms).
 template <GemmSchedule S, GemmEpilogue E>
-constexpr size_t kSmemBytes = sizeof(SharedStorageOf<S, E>) + 1024;  // + room to align the base to 1 KiB (swizzle atoms)
+constexpr size_t kSmemBytes = sizeof(SharedStorageOf<S, E>) + 1024;
 
 // Shared-memory layout of one operand's ring: (Rows of M or N, 64 of K, stage), 128-byte
 // swizzled exactly as TMA writes it per 128 rows (K-major: one 64 x 128 box; MN-major: two
@@ -234,7 +235,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   const GroupedGemmArgs& args = p.args;
   extern __shared__ uint8_t smem_raw[];
   constexpr int kStages = Pipeline<S, E>::kStages;
-  auto& smem = *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& smem =
+      *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {

@@ -18,7 +18,6 @@ __device__ __forceinline__ T* region(uint8_t* ws, size_t offset) {
   return reinterpret_cast<T*>(ws + offset);
 }
 
-
 __device__ __forceinline__ int64_t expert_id(const void* ids, bool is_int64, int64_t slot) {
   return is_int64 ? static_cast<const int64_t*>(ids)[slot] : static_cast<const int32_t*>(ids)[slot];
 }

@@ -1,7 +1,8 @@
 // The expert-parallel symmetric workspace: one NVSHMEM allocation per rank, same
 // layout (and so the same offsets) on every rank, shared by the dispatch/combine
-// kernels and the expert GEMM engine, whose FC1 producer waits on `expert_arrivals`. Sized for the worst case, so no routing can overflow it:
-// a rank may receive every slot of every rank (all tokens to its experts).
+// kernels and the expert GEMM engine, whose FC1 producer waits on `expert_arrivals`.
+// Sized for the worst case, so no routing can overflow it: a rank may receive every
+// slot of every rank (all tokens to its experts).
 //
 // Synchronisation is epoch based, so nothing is ever reset between calls and a
 // captured CUDA graph replays correctly: `epoch` (local, device memory) is bumped
