@@ -160,8 +160,8 @@ def routed_offsets(num_experts, routed, seed):
 
 
 def random_rows(num_rows, width, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
     """Random bit patterns (NaNs included: the copy is compared bitwise)."""
+    gen = torch.Generator().manual_seed(seed)
     row_bytes = width * torch.empty(0, dtype=dtype).element_size()
     return torch.randint(0, 256, (num_rows, row_bytes), generator=gen, dtype=torch.uint8).view(dtype).cuda()
 
