@@ -23,7 +23,6 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 $PY -m pip install -q --no-index --no-deps --target /tmp/cutlass-site .whl/nvidia_cutlass-*.whl || exit 1
 export PYTHONPATH=/tmp/cutlass-site
 start=$(date +%s)
-# REUSE_BUILD=1: keep what an earlier call on this (still warm) machine built from the same sources.
 src_hash=$(find csrc python third_party .whl setup.py pyproject.toml CMakeLists.txt -type f ! -name '*.so' \
              ! -path '*__pycache__*' ! -path '*.egg-info*' | sort | xargs sha1sum | sha1sum)
 if [ "${REUSE_BUILD:-0}" = 1 ] && [ "$(cat /tmp/primemoe-built-sources 2>/dev/null)" = "$src_hash" ] \
