@@ -4,13 +4,13 @@
 # the benchmark. Logs and results land in $OUT (default ./gpu-out). REUSE_BUILD=1 skips the build when
 # an earlier call on the same (still warm) machine built these sources.
 # PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
-#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|ncu235|comm|sanitize|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|ncu235|comm|commprof|sanitize|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
 # smoke: one small forward+backward (stops the run if it fails or hangs); stages: per-stage times of the single-GPU layer (scripts/stage_times.py);
 # ncu / ncu235: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py) at 30B T = 16384
-# / 235B T = 8192.
+# / 235B T = 8192; commprof: dispatch/combine region and kernel times on every GPU (scripts/comm_profile.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -62,6 +62,7 @@ for step in $STEPS; do
              --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     comm) $PY -m primemoe.bench --comm --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
             --out "$OUT/comm" 2>&1 | tee "$OUT/comm.log" | tail -30 ;;
+    commprof) $PY scripts/comm_profile.py --out "$OUT/commprof.json" 2>&1 | tee "$OUT/commprof.log" ;;
     ncu|ncu235)  # ncu235: Qwen3-235B-A22B at T = 8192
       shape_args=""; [ "$step" = ncu235 ] && shape_args="--shape qwen3-235b-a22b --tokens 8192"
       ncu --clock-control none -k regex:grouped_gemm_kernel --launch-skip 3 --launch-count 3 \
