@@ -128,6 +128,7 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
 
   int32_t* my_row = matrix + int64_t(me) * W * E;
+  for (int i = threadIdx.x; i < W * E; i += blockDim.x) a.scratch.send_done[i] = 0;  // the rows kernel counts here
   for (int p = 0; p < W; ++p) {
     const PeerWriter to(a.workspace, p, c);
     for (int i = threadIdx.x; i < W * E; i += blockDim.x) to.value(my_row + i, a.send_counts[i]);
@@ -163,20 +164,32 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   }
   __syncthreads();
   // Each destination's experts in order, padded: this rank's send bases there, and for dest == me the
-  // receive layout.
-  for (int dest = threadIdx.x; dest < W; dest += blockDim.x) {
+  // receive layout. A warp per destination scans 32 experts per step.
+  const int lane = threadIdx.x % 32;
+  for (int dest = threadIdx.x / 32; dest < W; dest += blockDim.x / 32) {
     int32_t offset = 0;
-    for (int e = 0; e < E; ++e) {
-      const int32_t total = pair_rows[dest * E + e];
-      a.scratch.send_base[dest * E + e] = offset + pair_before[dest * E + e];
-      if (dest == me) {
-        a.expert_counts[e] = total;
-        a.expert_offsets[e] = offset;
-        recv_offset[e] = offset;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane;
+      const int32_t total = e < E ? pair_rows[dest * E + e] : 0;
+      const int32_t padded = layout_padded(total, c.row_align);
+      int32_t inclusive = padded;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += up;
       }
-      offset += layout_padded(total, c.row_align);
+      const int32_t start = offset + inclusive - padded;
+      if (e < E) {
+        a.scratch.send_base[dest * E + e] = start + pair_before[dest * E + e];
+        if (dest == me) {
+          a.expert_counts[e] = total;
+          a.expert_offsets[e] = start;
+          recv_offset[e] = start;
+        }
+      }
+      offset += __shfl_sync(0xffffffffu, inclusive, 31);
     }
-    if (dest == me) {
+    if (dest == me && lane == 0) {
       a.expert_offsets[E] = offset;
       recv_offset[E] = offset;
     }
@@ -186,7 +199,6 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   // Padding rows: no source, weight 0 (the expert GEMMs read the weights of every row in a tile).
   int32_t* meta = region<int32_t>(a.workspace, a.layout.recv_meta);
   float* weights = region<float>(a.workspace, a.layout.recv_weights);
-  const int lane = threadIdx.x % 32;
   for (int e = threadIdx.x / 32; e < E; e += blockDim.x / 32) {
     for (int32_t r = recv_offset[e] + pair_rows[me * E + e] + lane; r < recv_offset[e + 1]; r += 32) {
       meta[r] = -1;
@@ -214,12 +226,22 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
   // This rank's padding rows (each local expert's range rounded up to row_align) get zeros: no
   // peer writes them, and the expert GEMMs reduce over whole tiles, so stale data (NaN or Inf
   // included) must not stay there.
+  // Lane l looks up expert e0 + l's padding range, so a warp pays one memory latency per 32 experts,
+  // not one per expert.
   const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
-  for (int e = 0; e < E; ++e) {
-    const int32_t first = a.expert_offsets[e] + a.expert_counts[e];
-    for (int32_t r = first + warp; r < a.expert_offsets[e + 1]; r += gridDim.x * kRowWarps) {
-      uint4* row = reinterpret_cast<uint4*>(recv_rows + int64_t(r) * H);
-      for (int v = lane; v < H / kVec; v += 32) row[v] = make_uint4(0, 0, 0, 0);
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    int32_t my_first = 0, my_last = 0;
+    if (e0 + lane < E) {
+      my_first = a.expert_offsets[e0 + lane] + a.expert_counts[e0 + lane];
+      my_last = a.expert_offsets[e0 + lane + 1];
+    }
+    for (int i = 0; i < min(32, E - e0); ++i) {
+      const int32_t first = __shfl_sync(0xffffffffu, my_first, i);
+      const int32_t last = __shfl_sync(0xffffffffu, my_last, i);
+      for (int32_t r = first + warp; r < last; r += gridDim.x * kRowWarps) {
+        uint4* row = reinterpret_cast<uint4*>(recv_rows + int64_t(r) * H);
+        for (int v = lane; v < H / kVec; v += 32) row[v] = make_uint4(0, 0, 0, 0);
+      }
     }
   }
 
@@ -255,6 +277,12 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
         my_pos = a.scratch.send_base[my_g] + (mine - a.send_offsets[my_g]);
         my_weight = slot_weight(a.topk_weights, a.weight_type, my_slot);
       }
+      // The batch's scalars first, all lanes at once (positions of a run are consecutive, so the stores
+      // coalesce); they precede the publish of every run they belong to.
+      if (mine < end) {
+        to.value(recv_meta + my_pos, static_cast<int32_t>(me * S + my_slot));
+        to.value(recv_weights + my_pos, my_weight);
+      }
       const int rows = min(32, end - batch);
       for (int i = 0; i < rows; ++i) {
         const int32_t slot = __shfl_sync(0xffffffffu, my_slot, i);
@@ -266,10 +294,6 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
         }
         to.row(recv_rows + int64_t(pos) * H, x + int64_t(slot / K) * H, stage_rows + int64_t(batch + i) * H, H,
                lane);
-        if (lane == i) {
-          to.value(recv_meta + pos, static_cast<int32_t>(me * S + slot));
-          to.value(recv_weights + pos, my_weight);
-        }
         ++run_rows;
       }
     }
@@ -348,9 +372,6 @@ __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs
 
 cudaError_t launch_ep_dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
   if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
-  const size_t pairs = size_t(a.cfg.world) * a.cfg.local_experts;
-  cudaError_t err = cudaMemsetAsync(a.scratch.send_done, 0, pairs * sizeof(int32_t), stream);
-  if (err != cudaSuccess) return err;
   ep_notify_kernel<<<1, kThreads, 0, stream>>>(a);
   ep_dispatch_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
   if (a.wait_arrivals) ep_wait_arrivals_kernel<<<1, kThreads, 0, stream>>>(a);

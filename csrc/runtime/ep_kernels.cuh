@@ -30,7 +30,7 @@ namespace primemoe {
 
 struct EpScratch {      // plain device memory, [W * E_local] / [W] ints, owned by the caller
   int32_t* send_base;   // [W][E_local] first row of this rank's rows in dest's receive region
-  int32_t* send_done;   // [W][E_local] rows written so far (zeroed by the launcher)
+  int32_t* send_done;   // [W][E_local] rows written so far (zeroed by the notify kernel)
   int32_t* recv_from;   // [W] rows this rank receives from each source (for combine)
   int32_t* combine_done;  // [W] rows pushed back so far (zeroed by the launcher)
 };
