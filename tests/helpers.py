@@ -236,12 +236,36 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
 
+# Fragment sizes filled first, largest first: the large pool's (> 1 MiB) and the small pool's.
+FRAGMENT_BYTES = (64 << 20, 8 << 20, 2 << 20, (1 << 20) + 512, 1 << 20, 256 << 10, 64 << 10, 16 << 10, 4 << 10,
+                  1 << 10, 512)
+# The blocks that fill those fragments, held until the next poisoning (see poison_caching_allocator).
+_held_fragments: list = []
+
+
 def poison_caching_allocator(big_bytes=8 << 30, small_bytes=64 << 10, small_count=2048):
-    """Fill cached blocks of both allocator pools with NaN and free them (kept in the cache),
-    so any output element a kernel forgets to write reads back as NaN."""
+    """Leave the allocator with only NaN-filled free memory, so any output element a kernel forgets
+    to write reads back as NaN.
+
+    empty_cache() keeps the segments that still hold live tensors, and their free parts keep old data
+    (zeros, say). Those parts are taken first, each size until the allocator reserves new memory (that
+    last block's new segment goes straight back), and stay taken until the next call: freed, a block
+    would merge with the unfilled tail of its part (smaller than any request) into a block that a
+    request of the part's size gets whole, tail included. Then the fresh segments are filled with
+    NaN and freed."""
+    _held_fragments.clear()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     nan = float("nan")
+    for size in FRAGMENT_BYTES:
+        while True:
+            reserved = torch.cuda.memory_reserved()
+            block = torch.empty(size // 2, dtype=torch.bfloat16, device="cuda")
+            if torch.cuda.memory_reserved() > reserved:
+                del block
+                torch.cuda.empty_cache()
+                break
+            _held_fragments.append(block)
     blocks = [torch.full((big_bytes // 2,), nan, dtype=torch.bfloat16, device="cuda")]
     blocks += [torch.full((small_bytes // 2,), nan, dtype=torch.bfloat16, device="cuda") for _ in range(small_count)]
     torch.cuda.synchronize()
