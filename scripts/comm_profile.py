@@ -60,7 +60,7 @@ def _kernels(buffer, inp, flush, token, group, iters):
     times = collections.defaultdict(list)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
-            times[ev.name[-70:]].append(ev.device_time_total / 1e3)
+            times[ev.name].append(ev.device_time_total / 1e3)
     return {name: (len(v) // iters, statistics.mean(v)) for name, v in times.items()}
 
 
@@ -126,7 +126,7 @@ def main() -> int:
                   f"combine {r['combine_ms']:.3f} ms ({mb / r['combine_ms']:.0f}), "
                   f"queue filled {r['combine_ms_queue_filled']:.3f} ms ({mb / r['combine_ms_queue_filled']:.0f})")
             for name, (per_iter, ms) in sorted(r["kernels"].items(), key=lambda kv: -kv[1][1]):
-                print(f"      {ms:8.4f} ms x{per_iter}  {name}")
+                print(f"      {ms:8.4f} ms x{per_iter}  {name[-70:]}")  # mangled names differ at the end
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

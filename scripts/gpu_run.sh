@@ -61,7 +61,7 @@ for step in $STEPS; do
     bench) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 2 \
              --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     comm) $PY -m primemoe.bench --comm --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
-            --num-sms 8 16 24 --out "$OUT/comm" 2>&1 | tee "$OUT/comm.log" | tail -30 ;;
+            --out "$OUT/comm" 2>&1 | tee "$OUT/comm.log" | tail -30 ;;
     commprof) $PY scripts/comm_profile.py --out "$OUT/commprof.json" 2>&1 | tee "$OUT/commprof.log" ;;
     ncu|ncu235)  # ncu235: Qwen3-235B-A22B at T = 8192
       shape_args=""; [ "$step" = ncu235 ] && shape_args="--shape qwen3-235b-a22b --tokens 8192"
