@@ -125,8 +125,9 @@ def main() -> int:
                   f"queue filled {r['dispatch_ms_queue_filled']:.3f} ms ({mb / r['dispatch_ms_queue_filled']:.0f}); "
                   f"combine {r['combine_ms']:.3f} ms ({mb / r['combine_ms']:.0f}), "
                   f"queue filled {r['combine_ms_queue_filled']:.3f} ms ({mb / r['combine_ms_queue_filled']:.0f})")
+            # Mangled names of one file's kernels share their start: print their ends.
             for name, (per_iter, ms) in sorted(r["kernels"].items(), key=lambda kv: -kv[1][1]):
-                print(f"      {ms:8.4f} ms x{per_iter}  {name[-70:]}")  # mangled names differ at the end
+                print(f"      {ms:8.4f} ms x{per_iter}  {name[-70:]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
