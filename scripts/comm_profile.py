@@ -4,7 +4,7 @@ Per (shape, tokens): the region times as the benchmark takes them (L2 flush and 
 before each region), the same with the GPU queue filled first (a sleep kernel, so the host's
 enqueue is off the clock), and each GPU kernel's mean time (torch.profiler), on every rank.
 
-    python scripts/comm_profile.py [--shapes ...] [--tokens ...] [--num-sms 16] [--out FILE]
+    python scripts/comm_profile.py [--shapes ...] [--tokens ...] [--num-sms 16] [--iters 20] [--out FILE]
 """
 import argparse
 import collections
@@ -113,9 +113,11 @@ def main() -> int:
         return 1
     import torch.multiprocessing as mp
     queue = mp.get_context("spawn").Queue()
-    mp.start_processes(_worker, args=(world, _free_port(), args, queue), nprocs=world, join=True,
-                       start_method="spawn")
-    results = dict(queue.get() for _ in range(world))
+    procs = mp.start_processes(_worker, args=(world, _free_port(), args, queue), nprocs=world, join=False,
+                               start_method="spawn")
+    results = dict(queue.get() for _ in range(world))  # before joining: a child exits once its result is read
+    while not procs.join():
+        pass
     for case in results[0]:
         print(f"== {case}: {results[0][case]['remote_mb']:.1f} MB per direction (rank 0)")
         for rank in sorted(results):

@@ -236,7 +236,8 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
 
-# Fragment sizes filled first, largest first: the large pool's (> 1 MiB) and the small pool's.
+# Sizes that take the free parts of partly used segments, largest first: the large pool's (> 1 MiB),
+# then the small pool's.
 FRAGMENT_BYTES = (64 << 20, 8 << 20, 2 << 20, (1 << 20) + 512, 1 << 20, 256 << 10, 64 << 10, 16 << 10, 4 << 10,
                   1 << 10, 512)
 # The blocks that fill those fragments, held until the next poisoning (see poison_caching_allocator).
@@ -250,9 +251,9 @@ def poison_caching_allocator(big_bytes=8 << 30, small_bytes=64 << 10, small_coun
     empty_cache() keeps the segments that still hold live tensors, and their free parts keep old data
     (zeros, say). Those parts are taken first, each size until the allocator reserves new memory (that
     last block's new segment goes straight back), and stay taken until the next call: freed, a block
-    would merge with the unfilled tail of its part (smaller than any request) into a block that a
-    request of the part's size gets whole, tail included. Then the fresh segments are filled with
-    NaN and freed."""
+    would merge with the untaken tail of its part (smaller than any request) into a block that a
+    request of the part's size gets whole, tail included. Then fresh segments are filled with NaN and
+    freed. Assumes the allocator's default settings (no expandable segments, no max_split_size)."""
     _held_fragments.clear()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

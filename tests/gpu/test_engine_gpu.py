@@ -24,7 +24,8 @@ SHAPES = {name: REFERENCE_SHAPES[name][:2] for name in ("qwen3-30b-a3b", "qwen3-
 
 def assert_rows_close(name, got, want, tol=4e-3):
     """Every row, the unused ones past the last expert (zeros) included."""
-    got, want = got.double().cpu(), want.double().cpu()
+    # To the host first: a device temporary, once freed, would give later outputs unpoisoned memory.
+    got, want = got.cpu().double(), want.cpu().double()
     assert not got.isnan().any(), f"{name}: NaN (unwritten output)"
     err = (got - want).norm().item()
     scale = want.norm().item()
