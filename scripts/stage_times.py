@@ -13,7 +13,7 @@ import statistics
 import torch
 
 from primemoe import ops, route
-from primemoe.bench import SHAPES
+from primemoe.bench import SHAPES, TARGET_SHAPES
 
 lib = torch.ops.primemoe
 
@@ -85,7 +85,7 @@ def stages(shape, tokens):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
-    p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "qwen3-235b-a22b"], choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=TARGET_SHAPES, choices=list(SHAPES))
     p.add_argument("--out", help="write the table as JSON here")
     args = p.parse_args()
     result = {f"{s}/{t}": stages(s, t) for s in args.shapes for t in args.tokens}

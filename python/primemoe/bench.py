@@ -42,6 +42,7 @@ SHAPES = {  # name: (hidden H, intermediate I, experts E, top_k K), DESIGN.md se
     "qwen3-235b-a22b": (4096, 1536, 128, 8),
     "deepseek-v3": (7168, 2048, 256, 8),
 }
+TARGET_SHAPES = ["qwen3-30b-a3b", "qwen3-235b-a22b"]  # the shapes the issues set targets at: the default
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 L2_FLUSH_BYTES = 256 << 20
 NCCL_TIMEOUT = datetime.timedelta(minutes=5)  # a rank that fails inside a collective must not hang the run
@@ -734,7 +735,7 @@ def _int_from(low: int):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m primemoe.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
+    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=TARGET_SHAPES)
     p.add_argument("--tokens", nargs="+", type=_int_from(1), default=[4096, 8192, 16384], help="tokens per rank")
     p.add_argument("--ep", nargs="+", type=_int_from(1), default=[1, 2], help="expert-parallel sizes (one GPU per rank)")
     p.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"])
