@@ -27,7 +27,11 @@ __device__ __forceinline__ float slot_weight(const void* w, ScaleType type, int6
                                       : static_cast<const float*>(w)[slot];
 }
 
-constexpr int kRowThreads = 512;  // row kernels: more warps per SM keep more NVLink stores in flight
+// Row kernels: 8 warps per SM. Against the other counts tried (2x H200, both reference shapes, dispatch),
+// 8 warps on each of 24 SMs beat 16 on 16 SMs by 1-5%; 16 warps on 24 SMs, 12 on 20 and 16 on 20 were
+// slower than either. More rows in flight per SM (two per warp, or bulk copies) were slower still, so
+// the stores most likely contend: the traffic is best spread over SMs with few warps each.
+constexpr int kRowThreads = 256;
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
 
@@ -111,6 +115,33 @@ __device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int3
   const int32_t per_warp = (last - first + warps - 1) / warps;
   *begin = min(last, first + warp * per_warp);
   *end = min(last, *begin + per_warp);
+}
+
+// This rank's padding rows (each local expert's range rounded up to row_align) get zeros: no peer
+// writes them, and the expert GEMMs reduce over whole tiles, so stale data (NaN or Inf included) must
+// not stay there. Done after the sends, so it overlaps the other warps' NVLink traffic instead of
+// delaying the first rows (the expert GEMMs come after this kernel on the stream).
+// Lane l looks up expert e0 + l's padding range, so a warp pays one memory latency per 32 experts.
+__device__ void zero_padding(const EpDispatchArgs& a) {
+  const int E = a.cfg.local_experts, H = a.cfg.hidden, lane = threadIdx.x % 32;
+  const int32_t warps = gridDim.x * kRowWarps;
+  const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
+  __nv_bfloat16* recv_rows = region<__nv_bfloat16>(a.workspace, a.layout.recv_rows);
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    int32_t my_first = 0, my_last = 0;
+    if (e0 + lane < E) {
+      my_first = a.expert_offsets[e0 + lane] + a.expert_counts[e0 + lane];
+      my_last = a.expert_offsets[e0 + lane + 1];
+    }
+    for (int i = 0; i < min(32, E - e0); ++i) {
+      const int32_t first = __shfl_sync(0xffffffffu, my_first, i);
+      const int32_t last = __shfl_sync(0xffffffffu, my_last, i);
+      for (int32_t r = first + warp; r < last; r += warps) {
+        uint4* row = reinterpret_cast<uint4*>(recv_rows + int64_t(r) * H);
+        for (int v = lane; v < H / kVec; v += 32) row[v] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
@@ -222,28 +253,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
   uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
   __nv_bfloat16* stage_rows = region<__nv_bfloat16>(a.workspace, a.layout.stage_rows);  // by send row
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
-
-  // This rank's padding rows (each local expert's range rounded up to row_align) get zeros: no
-  // peer writes them, and the expert GEMMs reduce over whole tiles, so stale data (NaN or Inf
-  // included) must not stay there.
-  // Lane l looks up expert e0 + l's padding range, so a warp pays one memory latency per 32 experts,
-  // not one per expert.
   const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
-  for (int e0 = 0; e0 < E; e0 += 32) {
-    int32_t my_first = 0, my_last = 0;
-    if (e0 + lane < E) {
-      my_first = a.expert_offsets[e0 + lane] + a.expert_counts[e0 + lane];
-      my_last = a.expert_offsets[e0 + lane + 1];
-    }
-    for (int i = 0; i < min(32, E - e0); ++i) {
-      const int32_t first = __shfl_sync(0xffffffffu, my_first, i);
-      const int32_t last = __shfl_sync(0xffffffffu, my_last, i);
-      for (int32_t r = first + warp; r < last; r += gridDim.x * kRowWarps) {
-        uint4* row = reinterpret_cast<uint4*>(recv_rows + int64_t(r) * H);
-        for (int v = lane; v < H / kVec; v += 32) row[v] = make_uint4(0, 0, 0, 0);
-      }
-    }
-  }
 
   int32_t run_g = -1;  // global expert of the current run of rows
   int32_t run_rows = 0;
@@ -299,6 +309,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
     }
     finish_run(to.puts());
   }
+  zero_padding(a);
 }
 
 __global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchArgs a) {
