@@ -27,11 +27,9 @@ __device__ __forceinline__ float slot_weight(const void* w, ScaleType type, int6
                                       : static_cast<const float*>(w)[slot];
 }
 
-// Row kernels: 8 warps per SM. Against the other counts tried (2x H200, both reference shapes, dispatch),
-// 8 warps on each of 24 SMs beat 16 on 16 SMs by 1-5%; 16 warps on 24 SMs, 12 on 20 and 16 on 20 were
-// slower than either. More rows in flight per SM (two per warp, or bulk copies) were slower still, so
-// the stores most likely contend: the traffic is best spread over SMs with few warps each.
-constexpr int kRowThreads = 256;
+// Row kernels: 16 warps per SM on the Buffer's 16 SMs. Dispatch alone was 1-5% faster with 8 warps
+// on each of 24 SMs, but combine was 10-15% slower that way (benchmarks/RESULTS.md, seventh session).
+constexpr int kRowThreads = 512;
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
 

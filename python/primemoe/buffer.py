@@ -41,10 +41,9 @@ lib = torch.ops.primemoe
 # Room on the symmetric heap beyond the workspace (NVSHMEM's own symmetric objects).
 SYMMETRIC_HEAP_MARGIN = 256 << 20
 _INT32_MAX = 2 ** 31 - 1
-# Dispatch/combine SMs, 8 warps each (csrc/runtime/ep_kernels.cu): on 2x H200 (NVLink) dispatch moved
-# more bytes per second on 24 such SMs than on 16 SMs of 16 warps, the previous setting (benchmarks/RESULTS.md,
-# seventh session). The budget is at most 24 SMs.
-DEFAULT_NUM_SMS = 24
+# Dispatch/combine SMs: on 2x H200 (NVLink) both directions moved more bytes per second with 16 than
+# with 24 at >= 8192 tokens per rank (benchmarks/RESULTS.md, fourth session).
+DEFAULT_NUM_SMS = 16
 MAX_EXPERTS = 1024  # kLayoutMaxLocalExperts of csrc/kernels/dispatch_layout.cuh (the send-side layout spans all experts)
 EP_TRANSPORTS = ("auto", "put")
 
