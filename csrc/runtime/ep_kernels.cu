@@ -28,7 +28,7 @@ __device__ __forceinline__ float slot_weight(const void* w, ScaleType type, int6
 }
 
 // Row kernels: 16 warps per SM on the Buffer's 16 SMs. Dispatch alone was 1-5% faster with 8 warps
-// on each of 24 SMs, but combine was 10-15% slower that way (benchmarks/RESULTS.md, seventh session).
+// on each of 24 SMs, but combine measured 4-15% slower that way (benchmarks/RESULTS.md, seventh session).
 constexpr int kRowThreads = 512;
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
@@ -120,7 +120,7 @@ __device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int3
 // not stay there. Done after the sends, so it overlaps the other warps' NVLink traffic instead of
 // delaying the first rows (the expert GEMMs come after this kernel on the stream).
 // Lane l looks up expert e0 + l's padding range, so a warp pays one memory latency per 32 experts.
-__device__ void zero_padding(const EpDispatchArgs& a) {
+__device__ __forceinline__ void zero_padding(const EpDispatchArgs& a) {
   const int E = a.cfg.local_experts, H = a.cfg.hidden, lane = threadIdx.x % 32;
   const int32_t warps = gridDim.x * kRowWarps;
   const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;

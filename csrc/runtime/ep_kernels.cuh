@@ -54,7 +54,8 @@ struct EpDispatchArgs {
   int32_t* expert_counts;   // [E_local] out: rows received per local expert
   int32_t* expert_offsets;  // [E_local + 1] out: padded receive offsets
   int32_t num_blocks;
-  // false: the caller's GEMM waits per expert on expert_arrivals itself (its producer's hook).
+  // false: the caller's GEMM waits per expert on expert_arrivals itself (its producer's hook). The
+  // padding rows are zeroed at the end of the rows kernel: a consumer must also come after it on the stream.
   bool wait_arrivals;
   uint64_t timeout_ns;
   ErrorRecord* error;
