@@ -11,7 +11,8 @@
 // dispatch = notify (bump epoch, publish send counts, wait for everyone's, compute
 //            the receive layout and where this rank's rows go on each peer)
 //          + rows (push each routed row, its slot and weight; count arrivals per
-//            (destination, expert) and signal `expert_arrivals` when one is complete)
+//            (destination, expert) and signal `expert_arrivals` when one is complete;
+//            then zero this rank's padding rows)
 //          + wait (with wait_arrivals: until every local expert has heard from every
 //            source; the layer skips it and FC1's producer waits per expert instead)
 // combine  = push every received row back to its source's `combine_rows[slot]`,
