@@ -223,9 +223,11 @@ at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot
   a.scale = scale.has_value() ? scale->data_ptr() : nullptr;
   a.dst = dst.data_ptr();
   a.num_rows = row_to_slot.size(0);
+  a.num_tokens = src.size(0);
   a.hidden = static_cast<int32_t>(src.size(1));
   a.top_k = static_cast<int32_t>(top_k);
-  check_cuda(launch_gather_rows(a, c10::cuda::getCurrentCUDAStream()), "gather_rows");
+  auto slot_to_row = at::empty({src.size(0) * top_k}, row_to_slot.options());
+  check_cuda(launch_gather_rows(a, slot_to_row.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream()), "gather_rows");
   return dst;
 }
 

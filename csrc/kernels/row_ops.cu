@@ -39,48 +39,126 @@ __device__ __forceinline__ uint4 pack(const float (&f)[kVec]) {
   return v;
 }
 
-__global__ void __launch_bounds__(kRowThreads) gather_rows_kernel(GatherRowsArgs a) {
-  const int vecs = a.hidden / kVec;
-  for (int64_t r = blockIdx.x; r < a.num_rows; r += gridDim.x) {
-    const int32_t slot = a.row_to_slot[r];
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.dst) + r * a.hidden);
-    if (slot < 0) {
-      for (int v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
-      continue;
-    }
-    const uint4* src =
-        reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.src) + int64_t(slot / a.top_k) * a.hidden);
-    if (a.scale_type == ScaleType::kNone) {
-      for (int v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = src[v];
-      continue;
-    }
-    const float s = load_scale(a.scale, a.scale_type, slot);
-    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
-      float f[kVec];
-      unpack(src[v], f);
+// The gather and the combine take one token per warp: the gather reads each x row once for all of its
+// K destination rows (walking the rows in expert-major order read x once per expert, ~K times from
+// DRAM once x outgrows L2), and the combine keeps up to kSlotsInFlight of a token's rows in flight.
+constexpr int kWarpThreads = 256;
+constexpr int kWarps = kWarpThreads / 32;
+constexpr int kGatherUnroll = 8;   // 16-byte vectors per lane loaded before a token's stores
+constexpr int kSlotsInFlight = 8;  // rows per token loaded before they are summed
+
+__device__ __forceinline__ int64_t global_warp() { return int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; }
+__device__ __forceinline__ int64_t grid_warps() { return int64_t(gridDim.x) * kWarps; }
+
+__global__ void invert_row_to_slot_kernel(const int32_t* row_to_slot, int64_t num_rows, int64_t num_slots,
+                                          int32_t* slot_to_row) {
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < num_rows; r += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t s = row_to_slot[r];
+    if (s >= 0 && s < num_slots) slot_to_row[s] = static_cast<int32_t>(r);
+  }
+}
+
+template <bool kScaled>
+__device__ __forceinline__ uint4 scaled(const uint4& v, float s) {
+  if (!kScaled) return v;
+  float f[kVec];
+  unpack(v, f);
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) f[i] *= s;
-      dst[v] = pack(f);
+  for (int i = 0; i < kVec; ++i) f[i] *= s;
+  return pack(f);
+}
+
+template <bool kScaled>
+__global__ void __launch_bounds__(kWarpThreads) gather_rows_kernel(GatherRowsArgs a, const int32_t* slot_to_row) {
+  const int vecs = a.hidden / kVec, K = a.top_k, lane = threadIdx.x % 32;
+  __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(a.dst);
+  for (int64_t t = global_warp(); t < a.num_tokens; t += grid_warps()) {
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.src) + t * a.hidden);
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      const int slots = min(32, K - k0);
+      int32_t my_row = -1;
+      float my_scale = 1.0f;
+      if (lane < slots) {
+        my_row = slot_to_row[t * K + k0 + lane];
+        my_scale = load_scale(a.scale, a.scale_type, t * K + k0 + lane);
+      }
+      if (__ballot_sync(0xffffffffu, my_row >= 0) == 0) continue;
+      for (int base = lane; base < vecs; base += 32 * kGatherUnroll) {
+        uint4 buf[kGatherUnroll];
+#pragma unroll
+        for (int u = 0; u < kGatherUnroll; ++u) {
+          if (base + 32 * u < vecs) buf[u] = __ldg(src + base + 32 * u);
+        }
+        for (int i = 0; i < slots; ++i) {
+          const int32_t row = __shfl_sync(0xffffffffu, my_row, i);
+          const float s = __shfl_sync(0xffffffffu, my_scale, i);
+          if (row < 0) continue;
+          uint4* out = reinterpret_cast<uint4*>(dst + int64_t(row) * a.hidden);
+#pragma unroll
+          for (int u = 0; u < kGatherUnroll; ++u) {
+            if (base + 32 * u < vecs) out[base + 32 * u] = scaled<kScaled>(buf[u], s);
+          }
+        }
+      }
+    }
+  }
+  // The rows the token pass did not write: those without a slot (zeros), and any that name a slot another
+  // row holds (a copy of their own). Lane l checks row r0 + l, so a warp pays one latency per 32 rows.
+  const int64_t slots = a.num_tokens * K;
+  for (int64_t r0 = global_warp() * 32; r0 < a.num_rows; r0 += grid_warps() * 32) {
+    const int64_t r = r0 + lane;
+    int32_t slot = -1;
+    bool left = false;
+    if (r < a.num_rows) {
+      slot = a.row_to_slot[r];
+      if (slot >= slots) slot = -1;
+      left = slot < 0 || slot_to_row[slot] != r;
+    }
+    for (unsigned pending = __ballot_sync(0xffffffffu, left); pending != 0; pending &= pending - 1) {
+      const int i = __ffs(pending) - 1;
+      const int32_t s = __shfl_sync(0xffffffffu, slot, i);
+      uint4* out = reinterpret_cast<uint4*>(dst + (r0 + i) * a.hidden);
+      if (s < 0) {
+        for (int v = lane; v < vecs; v += 32) out[v] = make_uint4(0, 0, 0, 0);
+        continue;
+      }
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.src) + int64_t(s / K) * a.hidden);
+      const float scale = load_scale(a.scale, a.scale_type, s);
+      for (int v = lane; v < vecs; v += 32) out[v] = scaled<kScaled>(__ldg(src + v), scale);
     }
   }
 }
 
-__global__ void __launch_bounds__(kRowThreads) combine_reduce_kernel(CombineReduceArgs a) {
-  const int vecs = a.hidden / kVec;
-  const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(a.rows);
-  for (int64_t t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+// Each lane sums its 16-byte vectors over the slots in k order (fp32): the same sum whatever the grid.
+__global__ void __launch_bounds__(kWarpThreads, 3) combine_reduce_kernel(CombineReduceArgs a) {
+  const int vecs = a.hidden / kVec, K = a.top_k, lane = threadIdx.x % 32;
+  const uint4* rows = static_cast<const uint4*>(a.rows);
+  for (int64_t t = global_warp(); t < a.num_tokens; t += grid_warps()) {
+    const int32_t* slot_rows = a.slot_to_row + t * K;
     uint4* y = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.y) + t * a.hidden);
-    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+    for (int v = lane; v < vecs; v += 32) {
       float acc[kVec] = {};
-      for (int k = 0; k < a.top_k; ++k) {
-        const int64_t slot = t * a.top_k + k;
-        const int32_t row = a.slot_to_row[slot];
-        if (row < 0) continue;
-        const float w = load_scale(a.weights, a.weight_type, slot);
-        float f[kVec];
-        unpack(reinterpret_cast<const uint4*>(rows + int64_t(row) * a.hidden)[v], f);
+      for (int k0 = 0; k0 < K; k0 += kSlotsInFlight) {
+        uint4 buf[kSlotsInFlight];
+        float w[kSlotsInFlight];
+        bool has[kSlotsInFlight];
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[i] = fmaf(w, f[i], acc[i]);
+        for (int j = 0; j < kSlotsInFlight; ++j) {
+          const int32_t row = k0 + j < K ? slot_rows[k0 + j] : -1;
+          has[j] = row >= 0;
+          if (has[j]) {
+            buf[j] = rows[int64_t(row) * vecs + v];
+            w[j] = load_scale(a.weights, a.weight_type, t * K + k0 + j);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kSlotsInFlight; ++j) {
+          if (!has[j]) continue;
+          float f[kVec];
+          unpack(buf[j], f);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) acc[i] = fmaf(w[j], f[i], acc[i]);
+        }
       }
       y[v] = pack(acc);
     }
@@ -141,17 +219,27 @@ int grid_for(int64_t blocks, int threads = kRowThreads) {
 
 }  // namespace
 
-cudaError_t launch_gather_rows(const GatherRowsArgs& a, cudaStream_t stream) {
+cudaError_t launch_gather_rows(const GatherRowsArgs& a, int32_t* slot_to_row, cudaStream_t stream) {
   if (a.hidden % kVec) return cudaErrorInvalidValue;
   if (a.num_rows == 0) return cudaSuccess;
-  gather_rows_kernel<<<grid_for(a.num_rows), kRowThreads, 0, stream>>>(a);
+  const int64_t slots = a.num_tokens * a.top_k;
+  if (slots > 0) {
+    cudaError_t err = cudaMemsetAsync(slot_to_row, 0xff, size_t(slots) * sizeof(int32_t), stream);  // -1: no row
+    if (err != cudaSuccess) return err;
+    invert_row_to_slot_kernel<<<grid_for((a.num_rows + 255) / 256, 256), 256, 0, stream>>>(a.row_to_slot, a.num_rows,
+                                                                                          slots, slot_to_row);
+  }
+  const int64_t warps = std::max(a.num_tokens, (a.num_rows + 31) / 32);
+  const int grid = grid_for((warps + kWarps - 1) / kWarps, kWarpThreads);
+  if (a.scale_type == ScaleType::kNone) gather_rows_kernel<false><<<grid, kWarpThreads, 0, stream>>>(a, slot_to_row);
+  else gather_rows_kernel<true><<<grid, kWarpThreads, 0, stream>>>(a, slot_to_row);
   return cudaGetLastError();
 }
 
 cudaError_t launch_combine_reduce(const CombineReduceArgs& a, cudaStream_t stream) {
   if (a.hidden % kVec) return cudaErrorInvalidValue;
   if (a.num_tokens == 0) return cudaSuccess;
-  combine_reduce_kernel<<<grid_for(a.num_tokens), kRowThreads, 0, stream>>>(a);
+  combine_reduce_kernel<<<grid_for((a.num_tokens + kWarps - 1) / kWarps, kWarpThreads), kWarpThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -12,7 +12,7 @@ namespace primemoe {
 
 enum class ScaleType : int32_t { kNone = 0, kFloat32 = 1, kBFloat16 = 2 };
 
-// dst[r] = src[row_to_slot[r] / K] * scale[row_to_slot[r]]; rows with slot -1 become 0.
+// dst[r] = src[row_to_slot[r] / K] * scale[row_to_slot[r]]; rows with slot -1 (or >= T*K) become 0.
 struct GatherRowsArgs {
   const void* src;  // [T, H] bf16
   const int32_t* row_to_slot;
@@ -20,6 +20,7 @@ struct GatherRowsArgs {
   ScaleType scale_type;
   void* dst;  // [num_rows, H] bf16
   int64_t num_rows;
+  int64_t num_tokens;  // T: src's rows
   int32_t hidden;
   int32_t top_k;
 };
@@ -57,7 +58,8 @@ struct CopyRoutedRowsArgs {
   int64_t row_bytes;  // a multiple of 16
 };
 
-cudaError_t launch_gather_rows(const GatherRowsArgs& args, cudaStream_t stream);
+// slot_to_row: [num_tokens * top_k] int32 scratch, filled with the inverse of row_to_slot.
+cudaError_t launch_gather_rows(const GatherRowsArgs& args, int32_t* slot_to_row, cudaStream_t stream);
 cudaError_t launch_combine_reduce(const CombineReduceArgs& args, cudaStream_t stream);
 cudaError_t launch_slot_dot(const SlotDotArgs& args, cudaStream_t stream);
 cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& args, cudaStream_t stream);

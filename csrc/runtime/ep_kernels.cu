@@ -115,30 +115,51 @@ __device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int3
   *end = min(last, *begin + per_warp);
 }
 
-// This rank's padding rows (each local expert's range rounded up to row_align) get zeros: no peer
-// writes them, and the expert GEMMs reduce over whole tiles, so stale data (NaN or Inf included) must
-// not stay there. Done after the sends, so it overlaps the other warps' NVLink traffic instead of
-// delaying the first rows (the expert GEMMs come after this kernel on the stream).
+// This rank's padding rows (each local expert's range rounded up to row_align) get zeros, source -1
+// and weight 0: no peer writes them, and the expert GEMMs reduce over whole tiles and read the weight
+// of every row in one, so stale data (NaN or Inf included) must not stay there. Done after the sends,
+// so it overlaps the other warps' NVLink traffic instead of delaying the first rows (the expert GEMMs
+// come after this kernel on the stream).
+// The padding rows of all experts are numbered in one sequence dealt round-robin over every warp:
+// each expert has fewer padding rows than there are warps, so dealing them per expert left all the
+// zeroing (16-32 MiB) to the first few SMs, a tail after everyone's sends.
 // Lane l looks up expert e0 + l's padding range, so a warp pays one memory latency per 32 experts.
 __device__ __forceinline__ void zero_padding(const EpDispatchArgs& a) {
   const int E = a.cfg.local_experts, H = a.cfg.hidden, lane = threadIdx.x % 32;
   const int32_t warps = gridDim.x * kRowWarps;
   const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
   __nv_bfloat16* recv_rows = region<__nv_bfloat16>(a.workspace, a.layout.recv_rows);
+  int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
+  float* recv_weights = region<float>(a.workspace, a.layout.recv_weights);
+  int32_t numbered = 0;  // padding rows of the experts before e0
   for (int e0 = 0; e0 < E; e0 += 32) {
-    int32_t my_first = 0, my_last = 0;
+    int32_t my_first = 0, my_rows = 0;
     if (e0 + lane < E) {
       my_first = a.expert_offsets[e0 + lane] + a.expert_counts[e0 + lane];
-      my_last = a.expert_offsets[e0 + lane + 1];
+      my_rows = a.expert_offsets[e0 + lane + 1] - my_first;
     }
+    int32_t inclusive = my_rows;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += up;
+    }
+    const int32_t my_number = numbered + inclusive - my_rows;  // of the expert's first padding row
     for (int i = 0; i < min(32, E - e0); ++i) {
       const int32_t first = __shfl_sync(0xffffffffu, my_first, i);
-      const int32_t last = __shfl_sync(0xffffffffu, my_last, i);
-      for (int32_t r = first + warp; r < last; r += warps) {
-        uint4* row = reinterpret_cast<uint4*>(recv_rows + int64_t(r) * H);
+      const int32_t rows = __shfl_sync(0xffffffffu, my_rows, i);
+      const int32_t number = __shfl_sync(0xffffffffu, my_number, i);
+      for (int32_t j = (warp - number % warps + warps) % warps; j < rows; j += warps) {
+        const int64_t r = first + j;
+        uint4* row = reinterpret_cast<uint4*>(recv_rows + r * H);
         for (int v = lane; v < H / kVec; v += 32) row[v] = make_uint4(0, 0, 0, 0);
+        if (lane == 0) {
+          recv_meta[r] = -1;
+          recv_weights[r] = 0.0f;
+        }
       }
     }
+    numbered += __shfl_sync(0xffffffffu, inclusive, 31);
   }
 }
 
@@ -175,7 +196,6 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   // memory latency per expert.
   __shared__ int32_t pair_rows[kMaxExperts];    // [dest][e]: rows all sources send to (dest, e)
   __shared__ int32_t pair_before[kMaxExperts];  // [dest][e]: rows of the sources before this rank
-  __shared__ int32_t recv_offset[kMaxExperts + 1];
   __shared__ int32_t recv_rows_from[kMaxExperts];  // [src], W <= W * E
   for (int i = threadIdx.x; i < W; i += blockDim.x) recv_rows_from[i] = 0;
   __syncthreads();
@@ -213,27 +233,13 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
         if (dest == me) {
           a.expert_counts[e] = total;
           a.expert_offsets[e] = start;
-          recv_offset[e] = start;
         }
       }
       offset += __shfl_sync(0xffffffffu, inclusive, 31);
     }
-    if (dest == me && lane == 0) {
-      a.expert_offsets[E] = offset;
-      recv_offset[E] = offset;
-    }
+    if (dest == me && lane == 0) a.expert_offsets[E] = offset;
   }
   for (int src = threadIdx.x; src < W; src += blockDim.x) a.scratch.recv_from[src] = recv_rows_from[src];
-  __syncthreads();
-  // Padding rows: no source, weight 0 (the expert GEMMs read the weights of every row in a tile).
-  int32_t* meta = region<int32_t>(a.workspace, a.layout.recv_meta);
-  float* weights = region<float>(a.workspace, a.layout.recv_weights);
-  for (int e = threadIdx.x / 32; e < E; e += blockDim.x / 32) {
-    for (int32_t r = recv_offset[e] + pair_rows[me * E + e] + lane; r < recv_offset[e + 1]; r += 32) {
-      meta[r] = -1;
-      weights[r] = 0.0f;
-    }
-  }
   // A (destination, expert) pair this rank sends nothing to is complete already.
   for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
     if (a.send_counts[i] == 0) nvshmemx_signal_op(arrivals + i % E, 1, NVSHMEM_SIGNAL_ADD, i / E);

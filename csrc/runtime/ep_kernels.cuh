@@ -12,7 +12,7 @@
 //            the receive layout and where this rank's rows go on each peer)
 //          + rows (push each routed row, its slot and weight; count arrivals per
 //            (destination, expert) and signal `expert_arrivals` when one is complete;
-//            then zero this rank's padding rows)
+//            then write this rank's padding rows: zeros, source -1, weight 0)
 //          + wait (with wait_arrivals: until every local expert has heard from every
 //            source; the layer skips it and FC1's producer waits per expert instead)
 // combine  = push every received row back to its source's `combine_rows[slot]`,
@@ -56,7 +56,7 @@ struct EpDispatchArgs {
   int32_t* expert_offsets;  // [E_local + 1] out: padded receive offsets
   int32_t num_blocks;
   // false: the caller's GEMM waits per expert on expert_arrivals itself (its producer's hook). The
-  // padding rows are zeroed at the end of the rows kernel: a consumer must also come after it on the stream.
+  // padding rows are written at the end of the rows kernel: a consumer must also come after it on the stream.
   bool wait_arrivals;
   uint64_t timeout_ns;
   ErrorRecord* error;
