@@ -128,8 +128,9 @@ void check_layout_args(const at::Tensor& topk_idx, int64_t num_experts, int64_t 
 
 using LayoutResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-LayoutResult dispatch_layout_cuda(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin,
-                                  int64_t num_local, int64_t row_align) {
+// slot_valid: [num_slots] bool, filled with slot_to_row >= 0 by the layout kernel itself, or null.
+LayoutResult launch_layout(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
+                           int64_t row_align, bool* slot_valid) {
   check_layout_args(topk_idx, num_experts, expert_begin, num_local, row_align);
   const c10::cuda::CUDAGuard guard(topk_idx.device());
   raise_pending_error(topk_idx.get_device());
@@ -153,10 +154,16 @@ LayoutResult dispatch_layout_cuda(const at::Tensor& topk_idx, int64_t num_expert
   a.expert_offsets = offsets.data_ptr<int32_t>();
   a.slot_to_row = slot_to_row.data_ptr<int32_t>();
   a.row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.slot_valid = slot_valid;
   a.workspace = workspace.data_ptr<int32_t>();
   a.error = error_record_for(topk_idx);
   check_cuda(launch_dispatch_layout(a, c10::cuda::getCurrentCUDAStream()), "dispatch_layout");
   return {counts, offsets, slot_to_row, row_to_slot};
+}
+
+LayoutResult dispatch_layout_cuda(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin,
+                                  int64_t num_local, int64_t row_align) {
+  return launch_layout(topk_idx, num_experts, expert_begin, num_local, row_align, nullptr);
 }
 
 // Same layout on the host; out-of-range ids raise at once (the data is already here).
@@ -470,8 +477,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& work
   PRIMEMOE_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights: expected the shape of topk_idx");
   PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
   const int64_t experts = world * local_experts;
+  auto slot_valid = at::empty(topk_idx.sizes(), topk_idx.options().dtype(at::kBool));
   auto [send_counts, send_offsets, slot_to_row, row_to_slot] =
-      dispatch_layout_cuda(topk_idx, experts, 0, experts, 1);
+      launch_layout(topk_idx, experts, 0, experts, 1, slot_valid.data_ptr<bool>());
   const c10::cuda::CUDAGuard guard(x.device());
   auto opts = x.options().dtype(at::kInt);
   auto expert_counts = at::empty({local_experts}, opts);
@@ -498,7 +506,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& work
   a.timeout_ns = wait_timeout_ns();
   a.error = error_record_for(x);
   check_cuda(launch_ep_dispatch(a, c10::cuda::getCurrentCUDAStream()), "ep_dispatch");
-  return {expert_counts, expert_offsets, slot_to_row.ge(0)};
+  return {expert_counts, expert_offsets, slot_valid};
 }
 
 void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor& rows,

@@ -1,5 +1,7 @@
 #include "dispatch_layout.cuh"
 
+#include "chained_launch.cuh"
+
 namespace primemoe {
 namespace {
 
@@ -46,6 +48,7 @@ __device__ __forceinline__ void load_local_experts(int32_t (&e)[kGroupsPerBatch]
 // workspace[block][e] = slots of the block's range routed to local expert e.
 template <typename IdT>
 __global__ void __launch_bounds__(kLayoutThreads) count_kernel(DispatchLayoutArgs a, int64_t slots_per_block) {
+  allow_next_kernel();
   extern __shared__ int32_t block_counts[];
   for (int e = threadIdx.x; e < a.num_local; e += kLayoutThreads) block_counts[e] = 0;
   __syncthreads();
@@ -134,6 +137,8 @@ __device__ __forceinline__ void scan_padded_offsets(const int32_t* total, int32_
 template <typename IdT>
 __global__ void __launch_bounds__(kLayoutThreads) place_kernel(DispatchLayoutArgs a, int64_t slots_per_block,
                                                                  int32_t num_count_blocks, int64_t max_rows) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
   extern __shared__ int32_t smem[];
   const int32_t L = a.num_local;
   int32_t* warp_rows = smem;                       // [kLayoutWarps][L]: the warp's count, then its next row
@@ -195,8 +200,10 @@ __global__ void __launch_bounds__(kLayoutThreads) place_kernel(DispatchLayoutArg
         const int32_t row = my_rows[e[g]] + __popc(peers_below);
         a.slot_to_row[s] = row;
         a.row_to_slot[row] = static_cast<int32_t>(s);
+        if (a.slot_valid != nullptr) a.slot_valid[s] = true;
       } else if (s < warp_end) {
         a.slot_to_row[s] = -1;
+        if (a.slot_valid != nullptr) a.slot_valid[s] = false;
       }
       __syncwarp();
       if (e[g] >= 0 && peers_below == 0) my_rows[e[g]] += __popc(peers);
@@ -225,9 +232,8 @@ cudaError_t launch_typed(const DispatchLayoutArgs& a, cudaStream_t stream) {
   const size_t count_smem = size_t(a.num_local) * sizeof(int32_t);
   if (blocks > 0) count_kernel<IdT><<<blocks, kLayoutThreads, count_smem, stream>>>(a, slots_per_block);
   const size_t place_smem = size_t(place_smem_ints(a.num_local)) * sizeof(int32_t);
-  place_kernel<IdT><<<blocks > 0 ? blocks : 1, kLayoutThreads, place_smem, stream>>>(
-      a, slots_per_block, static_cast<int32_t>(blocks), max_rows);
-  return cudaGetLastError();
+  return launch_chained(place_kernel<IdT>, dim3(blocks > 0 ? blocks : 1), dim3(kLayoutThreads), place_smem, stream,
+                        a, slots_per_block, static_cast<int32_t>(blocks), max_rows);
 }
 
 }  // namespace

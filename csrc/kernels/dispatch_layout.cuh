@@ -6,7 +6,7 @@
 // Two kernels: the first counts each block's slots per expert; the second, over the
 // same blocks, sums those counts itself (every block reads the whole small count
 // matrix: no scan kernel, no cross-block wait), places its slots and writes -1 on
-// the padding rows (no memset).
+// the padding rows (no memset). The second is chained to the first (chained_launch.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,6 +32,7 @@ struct DispatchLayoutArgs {
   int32_t* expert_offsets;  // [num_local + 1] padded row starts; last = padded total
   int32_t* slot_to_row;     // [num_slots] row of each slot, -1 when not routed here
   int32_t* row_to_slot;     // [max_rows(num_slots)] slot of each row, -1 for padding
+  bool* slot_valid;         // [num_slots] or null: slot_to_row >= 0
   int32_t* workspace;       // [workspace_ints()] per-block counts
   ErrorRecord* error;
 };

@@ -122,7 +122,8 @@ __global__ void __launch_bounds__(kWarpThreads) gather_rows_kernel(GatherRowsArg
         for (int v = lane; v < vecs; v += 32) out[v] = make_uint4(0, 0, 0, 0);
         continue;
       }
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.src) + int64_t(s / K) * a.hidden);
+      const uint4* src =
+          reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.src) + int64_t(s / K) * a.hidden);
       const float scale = load_scale(a.scale, a.scale_type, s);
       for (int v = lane; v < vecs; v += 32) out[v] = scaled<kScaled>(__ldg(src + v), scale);
     }

@@ -2,6 +2,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "../kernels/chained_launch.cuh"
 #include "../kernels/device_wait.cuh"
 #include "../kernels/dispatch_layout.cuh"
 #include "ep_kernels.cuh"
@@ -164,6 +165,8 @@ __device__ __forceinline__ void zero_padding(const EpDispatchArgs& a) {
 }
 
 __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const EpConfig& c = a.cfg;
   const int W = c.world, E = c.local_experts, me = c.rank;
   __shared__ uint64_t epoch_shared;
@@ -247,6 +250,8 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
 }
 
 __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatchArgs a) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const EpConfig& c = a.cfg;
   const int W = c.world, E = c.local_experts, me = c.rank, H = c.hidden, K = c.top_k;
   const int lane = threadIdx.x % 32;
@@ -317,6 +322,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
 }
 
 __global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchArgs a) {
+  wait_for_previous_kernel();
   const uint64_t target = uint64_t(*a.epoch) * a.cfg.world;
   const uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
   for (int e = threadIdx.x; e < a.cfg.local_experts; e += blockDim.x)
@@ -324,6 +330,7 @@ __global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchAr
 }
 
 __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineArgs a) {
+  allow_next_kernel();
   const EpConfig& c = a.cfg;
   const int W = c.world, H = c.hidden, me = c.rank;
   const int lane = threadIdx.x % 32;
@@ -377,6 +384,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
 }
 
 __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs a) {
+  wait_for_previous_kernel();
   const uint64_t epoch = *a.epoch;
   const uint64_t* combine_flags = region<uint64_t>(a.workspace, a.layout.combine_flags);
   for (int src = threadIdx.x; src < a.cfg.world; src += blockDim.x)
@@ -387,10 +395,16 @@ __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs
 
 cudaError_t launch_ep_dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
   if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
-  ep_notify_kernel<<<1, kThreads, 0, stream>>>(a);
-  ep_dispatch_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
-  if (a.wait_arrivals) ep_wait_arrivals_kernel<<<1, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  // Each kernel is chained to the one before it (the layout's placement kernel, for notify), so it is
+  // launched while that one runs and starts the moment it ends.
+  cudaError_t err = launch_chained(ep_notify_kernel, dim3(1), dim3(kThreads), 0, stream, a);
+  if (err == cudaSuccess) {
+    err = launch_chained(ep_dispatch_rows_kernel, dim3(a.num_blocks), dim3(kRowThreads), 0, stream, a);
+  }
+  if (err == cudaSuccess && a.wait_arrivals) {
+    err = launch_chained(ep_wait_arrivals_kernel, dim3(1), dim3(kThreads), 0, stream, a);
+  }
+  return err;
 }
 
 cudaError_t launch_ep_combine(const EpCombineArgs& a, cudaStream_t stream) {
@@ -398,8 +412,9 @@ cudaError_t launch_ep_combine(const EpCombineArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(a.scratch.combine_done, 0, size_t(a.cfg.world) * sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
   ep_combine_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
-  ep_wait_combine_kernel<<<1, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  err = cudaGetLastError();
+  if (err == cudaSuccess) err = launch_chained(ep_wait_combine_kernel, dim3(1), dim3(kThreads), 0, stream, a);
+  return err;
 }
 
 }  // namespace primemoe
