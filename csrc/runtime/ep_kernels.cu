@@ -34,6 +34,11 @@ constexpr int kRowThreads = 512;
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
 
+// Blocks of the dispatch rows kernel that zero the padding rows instead of sending: one in 8. At
+// 16 SMs, Qwen3-30B, T = 8192, a zeroing warp then stores ~0.5 MiB (16 MiB of padding over 32 warps)
+// while a sending warp copies ~1.2 MiB (134 MiB sent and as much copied locally, over 224 warps).
+int32_t dispatch_pad_blocks(int32_t num_blocks) { return num_blocks / 8; }
+
 // A warp copies one row: all its loads are issued before its (remote) stores, kCopyUnroll
 // 16-byte vectors per lane at a time, so the copy is bound by bandwidth, not load latency.
 __device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int vecs, int lane) {
@@ -108,9 +113,8 @@ __device__ __forceinline__ void publish_run(int32_t rows, int32_t* done, const i
 
 // Each warp takes one contiguous share of the rows [first, last), so it makes its rows visible
 // and counts them once per run of rows with the same (destination, expert) or source, not once per row.
-__device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int32_t* begin, int32_t* end) {
-  const int32_t warps = gridDim.x * kRowWarps;
-  const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
+__device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int32_t warp, int32_t warps,
+                                               int32_t* begin, int32_t* end) {
   const int32_t per_warp = (last - first + warps - 1) / warps;
   *begin = min(last, first + warp * per_warp);
   *end = min(last, *begin + per_warp);
@@ -118,17 +122,14 @@ __device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int3
 
 // This rank's padding rows (each local expert's range rounded up to row_align) get zeros, source -1
 // and weight 0: no peer writes them, and the expert GEMMs reduce over whole tiles and read the weight
-// of every row in one, so stale data (NaN or Inf included) must not stay there. Done after the sends,
-// so it overlaps the other warps' NVLink traffic instead of delaying the first rows (the expert GEMMs
+// of every row in one, so stale data (NaN or Inf included) must not stay there (the expert GEMMs
 // come after this kernel on the stream).
-// The padding rows of all experts are numbered in one sequence dealt round-robin over every warp:
-// each expert has fewer padding rows than there are warps, so dealing them per expert left all the
-// zeroing (16-32 MiB) to the first few SMs, a tail after everyone's sends.
+// The padding rows of all experts are numbered in one sequence dealt round-robin over the `warps`
+// zeroing warps: each expert has fewer padding rows than there are warps, so dealing them per expert
+// left all the zeroing (16-32 MiB) to the first few SMs, a tail after everyone's sends.
 // Lane l looks up expert e0 + l's padding range, so a warp pays one memory latency per 32 experts.
-__device__ __forceinline__ void zero_padding(const EpDispatchArgs& a) {
+__device__ __forceinline__ void zero_padding(const EpDispatchArgs& a, int32_t warp, int32_t warps) {
   const int E = a.cfg.local_experts, H = a.cfg.hidden, lane = threadIdx.x % 32;
-  const int32_t warps = gridDim.x * kRowWarps;
-  const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
   __nv_bfloat16* recv_rows = region<__nv_bfloat16>(a.workspace, a.layout.recv_rows);
   int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
   float* recv_weights = region<float>(a.workspace, a.layout.recv_weights);
@@ -262,6 +263,15 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
   uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
   __nv_bfloat16* stage_rows = region<__nv_bfloat16>(a.workspace, a.layout.stage_rows);  // by send row
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
+  // The last pad_blocks blocks zero the padding rows while the others send: zeroing after the sends
+  // put those local stores (16-32 MiB) on every sending warp's path. With none, each warp zeroes its
+  // share of them after its sends.
+  const int32_t send_blocks = gridDim.x - a.pad_blocks;
+  if (int32_t(blockIdx.x) >= send_blocks) {
+    zero_padding(a, (blockIdx.x - send_blocks) * kRowWarps + threadIdx.x / 32, a.pad_blocks * kRowWarps);
+    return;
+  }
+  const int32_t warps = send_blocks * kRowWarps;
   const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
 
   int32_t run_g = -1;  // global expert of the current run of rows
@@ -281,7 +291,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
     const int dest = (me + 1 + warp + step) % W;
     const PeerWriter to(a.workspace, dest, c);
     int32_t begin, end;
-    warp_row_range(a.send_offsets[dest * E], a.send_offsets[(dest + 1) * E], &begin, &end);
+    warp_row_range(a.send_offsets[dest * E], a.send_offsets[(dest + 1) * E], warp, warps, &begin, &end);
     for (int32_t batch = begin; batch < end; batch += 32) {
       // Lane l looks up row batch + l (slot, expert, position on the destination, weight), so the
       // row loop below starts each copy without a chain of dependent loads.
@@ -318,7 +328,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
     }
     finish_run(to.puts());
   }
-  zero_padding(a);
+  if (a.pad_blocks == 0) zero_padding(a, warp, warps);
 }
 
 __global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchArgs a) {
@@ -349,7 +359,8 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
     }
   }
   int32_t begin, end;
-  warp_row_range(0, a.expert_offsets[c.local_experts], &begin, &end);
+  warp_row_range(0, a.expert_offsets[c.local_experts], blockIdx.x * kRowWarps + threadIdx.x / 32,
+                 gridDim.x * kRowWarps, &begin, &end);
   int run_src = -1;  // source rank of the current run of rows
   PeerWriter to(a.workspace, me, c);  // writes into run_src
   int32_t run_rows = 0;
@@ -393,8 +404,10 @@ __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs
 
 }  // namespace
 
-cudaError_t launch_ep_dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
-  if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
+cudaError_t launch_ep_dispatch(const EpDispatchArgs& args, cudaStream_t stream) {
+  if (args.cfg.hidden % kVec || args.num_blocks < 1) return cudaErrorInvalidValue;
+  EpDispatchArgs a = args;
+  a.pad_blocks = dispatch_pad_blocks(a.num_blocks);
   // Each kernel is chained to the one before it (the layout's placement kernel, for notify), so it is
   // launched while that one runs and starts the moment it ends.
   cudaError_t err = launch_chained(ep_notify_kernel, dim3(1), dim3(kThreads), 0, stream, a);

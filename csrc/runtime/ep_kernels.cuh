@@ -12,7 +12,7 @@
 //            the receive layout and where this rank's rows go on each peer)
 //          + rows (push each routed row, its slot and weight; count arrivals per
 //            (destination, expert) and signal `expert_arrivals` when one is complete;
-//            then write this rank's padding rows: zeros, source -1, weight 0)
+//            meanwhile, one block in 8 writes this rank's padding rows: zeros, source -1, weight 0)
 //          + wait (with wait_arrivals: until every local expert has heard from every
 //            source; the layer skips it and FC1's producer waits per expert instead)
 // combine  = push every received row back to its source's `combine_rows[slot]`,
@@ -55,6 +55,7 @@ struct EpDispatchArgs {
   int32_t* expert_counts;   // [E_local] out: rows received per local expert
   int32_t* expert_offsets;  // [E_local + 1] out: padded receive offsets
   int32_t num_blocks;
+  int32_t pad_blocks;  // set by the launcher: blocks of num_blocks that zero the padding rows
   // false: the caller's GEMM waits per expert on expert_arrivals itself (its producer's hook). The
   // padding rows are written at the end of the rows kernel: a consumer must also come after it on the stream.
   bool wait_arrivals;
