@@ -34,10 +34,11 @@ constexpr int kRowThreads = 512;
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
 
-// Blocks of the dispatch rows kernel that zero the padding rows instead of sending: one in 8. At
-// 16 SMs, Qwen3-30B, T = 8192, a zeroing warp then stores ~0.5 MiB (16 MiB of padding over 32 warps)
-// while a sending warp copies ~1.2 MiB (134 MiB sent and as much copied locally, over 224 warps).
-int32_t dispatch_pad_blocks(int32_t num_blocks) { return num_blocks / 8; }
+// Blocks of the dispatch rows kernel that zero the padding rows instead of sending. One keeps up
+// with 15 senders (16-32 MiB of padding against 268-1074 MiB copied): on 2x H200, 15 + 1 beat 16
+// senders zeroing after their sends by 0-6% and 14 + 2 by 5-8% (benchmarks/RESULTS.md, eighth
+// session). Below 16 blocks a sender is worth more than the zeroing it would spare the others.
+int32_t dispatch_pad_blocks(int32_t num_blocks) { return num_blocks >= 16 ? 1 : 0; }
 
 // A warp copies one row: all its loads are issued before its (remote) stores, kCopyUnroll
 // 16-byte vectors per lane at a time, so the copy is bound by bandwidth, not load latency.
