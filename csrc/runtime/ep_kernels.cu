@@ -28,17 +28,26 @@ __device__ __forceinline__ float slot_weight(const void* w, ScaleType type, int6
                                       : static_cast<const float*>(w)[slot];
 }
 
-// Row kernels: 16 warps per SM on the Buffer's 16 SMs. Dispatch alone was 1-5% faster with 8 warps
-// on each of 24 SMs, but combine measured 4-15% slower that way (benchmarks/RESULTS.md, seventh session).
+// Row kernels: 16 warps per SM on the Buffer's 16 SMs. 24 SMs x 8 warps looked 1-5% faster for
+// dispatch only while each expert's padding went to the first warps (more SMs got some of it); with
+// the padding spread, dispatch was 0-6% slower that way and combine 3-14% (benchmarks/RESULTS.md,
+// seventh and eighth sessions).
 constexpr int kRowThreads = 512;
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
 
-// Blocks of the dispatch rows kernel that zero the padding rows instead of sending. One keeps up
-// with 15 senders (16-32 MiB of padding against 268-1074 MiB copied): on 2x H200, 15 + 1 beat 16
-// senders zeroing after their sends by 0-6% and 14 + 2 by 5-8% (benchmarks/RESULTS.md, eighth
-// session). Below 16 blocks a sender is worth more than the zeroing it would spare the others.
-int32_t dispatch_pad_blocks(int32_t num_blocks) { return num_blocks >= 16 ? 1 : 0; }
+// Blocks of the dispatch rows kernel that zero the padding rows instead of sending (2x H200,
+// benchmarks/RESULTS.md, eighth session). At T = 8192 and 16384, 15 senders + 1 such block beat 16
+// senders that zero after their sends by 0-6%, and 14 + 2 by 5-8%. But one block stores only
+// ~55 GB/s while 15 senders copy ~560 GB/s (local and remote rows): at T = 4096 it took 0.56 ms for
+// the 235B shape's 32 MiB of padding, longer than the sends. So it is used only where the routed
+// rows are at least 8x the padding bound E_local * row_align (padding averages half of it), and
+// from 16 blocks on (below, a sender is worth more than the zeroing it would spare the others).
+int32_t dispatch_pad_blocks(const EpDispatchArgs& a) {
+  const int64_t routed_bound = a.num_tokens * a.cfg.top_k;
+  const int64_t padding_bound = int64_t(a.cfg.local_experts) * a.cfg.row_align;
+  return a.num_blocks >= 16 && routed_bound >= 8 * padding_bound ? 1 : 0;
+}
 
 // A warp copies one row: all its loads are issued before its (remote) stores, kCopyUnroll
 // 16-byte vectors per lane at a time, so the copy is bound by bandwidth, not load latency.
@@ -408,7 +417,7 @@ __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs
 cudaError_t launch_ep_dispatch(const EpDispatchArgs& args, cudaStream_t stream) {
   if (args.cfg.hidden % kVec || args.num_blocks < 1) return cudaErrorInvalidValue;
   EpDispatchArgs a = args;
-  a.pad_blocks = dispatch_pad_blocks(a.num_blocks);
+  a.pad_blocks = dispatch_pad_blocks(a);
   // Each kernel is chained to the one before it (the layout's placement kernel, for notify), so it is
   // launched while that one runs and starts the moment it ends.
   cudaError_t err = launch_chained(ep_notify_kernel, dim3(1), dim3(kThreads), 0, stream, a);

@@ -12,8 +12,8 @@
 //            the receive layout and where this rank's rows go on each peer)
 //          + rows (push each routed row, its slot and weight; count arrivals per
 //            (destination, expert) and signal `expert_arrivals` when one is complete;
-//            meanwhile, from 16 blocks on, one block writes this rank's padding rows: zeros,
-//            source -1, weight 0; with fewer, every warp does after its sends)
+//            and write this rank's padding rows: zeros, source -1, weight 0, by one block
+//            meanwhile where the routed rows far outnumber them, else by every warp after its sends)
 //          + wait (with wait_arrivals: until every local expert has heard from every
 //            source; the layer skips it and FC1's producer waits per expert instead)
 // combine  = push every received row back to its source's `combine_rows[slot]`,
