@@ -83,11 +83,13 @@ __global__ void __launch_bounds__(kWarpThreads) gather_rows_kernel(GatherRowsArg
         my_scale = load_scale(a.scale, a.scale_type, t * K + k0 + lane);
       }
       if (__ballot_sync(0xffffffffu, my_row >= 0) == 0) continue;
-      for (int base = lane; base < vecs; base += 32 * kGatherUnroll) {
+      // Every lane runs every step (the shuffles below need the whole warp), masked past the row's end.
+      for (int base = 0; base < vecs; base += 32 * kGatherUnroll) {
         uint4 buf[kGatherUnroll];
 #pragma unroll
         for (int u = 0; u < kGatherUnroll; ++u) {
-          if (base + 32 * u < vecs) buf[u] = __ldg(src + base + 32 * u);
+          const int v = base + 32 * u + lane;
+          if (v < vecs) buf[u] = __ldg(src + v);
         }
         for (int i = 0; i < slots; ++i) {
           const int32_t row = __shfl_sync(0xffffffffu, my_row, i);
@@ -96,7 +98,8 @@ __global__ void __launch_bounds__(kWarpThreads) gather_rows_kernel(GatherRowsArg
           uint4* out = reinterpret_cast<uint4*>(dst + int64_t(row) * a.hidden);
 #pragma unroll
           for (int u = 0; u < kGatherUnroll; ++u) {
-            if (base + 32 * u < vecs) out[base + 32 * u] = scaled<kScaled>(buf[u], s);
+            const int v = base + 32 * u + lane;
+            if (v < vecs) out[v] = scaled<kScaled>(buf[u], s);
           }
         }
       }
