@@ -37,10 +37,11 @@ constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
 
 // Blocks of the dispatch rows kernel that zero the padding rows instead of sending (2x H200,
-// benchmarks/RESULTS.md, eighth session). At T = 8192 and 16384, 15 senders + 1 such block beat 16
-// senders that zero after their sends by 0-6%, and 14 + 2 by 5-8%. But one block stores only
-// ~55 GB/s while 15 senders copy ~560 GB/s (local and remote rows): at T = 4096 it took 0.56 ms for
-// the 235B shape's 32 MiB of padding, longer than the sends. So it is used only where the routed
+// benchmarks/RESULTS.md, eighth session). At T = 8192, 15 senders + 1 such block beat 16 senders
+// that zero after their sends by 3-7% (at T = 16384 they were 0-2% slower), and 14 + 2 was 6-8%
+// slower than 15 + 1. But one block stores only ~55 GB/s while 15 senders copy ~560 GB/s (local and
+// remote rows): at T = 4096 it took 0.56 ms for the 235B shape's 32 MiB of padding, longer than the
+// sends. So it is used only where the routed
 // rows are at least 8x the padding bound E_local * row_align (padding averages half of it), and
 // from 16 blocks on (below, a sender is worth more than the zeroing it would spare the others).
 int32_t dispatch_pad_blocks(const EpDispatchArgs& a) {
