@@ -230,7 +230,11 @@ cudaError_t launch_typed(const DispatchLayoutArgs& a, cudaStream_t stream) {
   const int64_t blocks = layout_blocks(a.num_slots, a.num_local);
   const int64_t max_rows = layout_max_rows(a.num_slots, a.num_local, a.row_align);
   const size_t count_smem = size_t(a.num_local) * sizeof(int32_t);
-  if (blocks > 0) count_kernel<IdT><<<blocks, kLayoutThreads, count_smem, stream>>>(a, slots_per_block);
+  if (blocks > 0) {
+    count_kernel<IdT><<<blocks, kLayoutThreads, count_smem, stream>>>(a, slots_per_block);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   const size_t place_smem = size_t(place_smem_ints(a.num_local)) * sizeof(int32_t);
   return launch_chained(place_kernel<IdT>, dim3(blocks > 0 ? blocks : 1), dim3(kLayoutThreads), place_smem, stream,
                         a, slots_per_block, static_cast<int32_t>(blocks), max_rows);

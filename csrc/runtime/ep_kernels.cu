@@ -39,15 +39,15 @@ constexpr int kCopyUnroll = 8;
 // Blocks of the dispatch rows kernel that zero the padding rows instead of sending (2x H200,
 // benchmarks/RESULTS.md, eighth session). At T = 8192, 15 senders + 1 such block beat 16 senders
 // that zero after their sends by 3-7% (at T = 16384 they were 0-2% slower), and 14 + 2 was 6-8%
-// slower than 15 + 1. But one block stores only ~55 GB/s while 15 senders copy ~560 GB/s (local and
-// remote rows): at T = 4096 it took 0.56 ms for the 235B shape's 32 MiB of padding, longer than the
-// sends. So it is used only where the routed
-// rows are at least 8x the padding bound E_local * row_align (padding averages half of it), and
-// from 16 blocks on (below, a sender is worth more than the zeroing it would spare the others).
+// slower than 15 + 1. But one block stores only ~60 GB/s while 15 senders copy ~600 GB/s (local and
+// remote rows): at T = 4096 it took ~0.56 ms for the 235B shape's 32 MiB of padding, longer than
+// the sends. So it is used only where there is padding (row_align > 1), the routed rows are at least
+// 8x the padding bound E_local * row_align (padding averages half of it), and from 16 blocks on
+// (below, a sender is worth more than the zeroing it would spare the others).
 int32_t dispatch_pad_blocks(const EpDispatchArgs& a) {
   const int64_t routed_bound = a.num_tokens * a.cfg.top_k;
   const int64_t padding_bound = int64_t(a.cfg.local_experts) * a.cfg.row_align;
-  return a.num_blocks >= 16 && routed_bound >= 8 * padding_bound ? 1 : 0;
+  return a.num_blocks >= 16 && a.cfg.row_align > 1 && routed_bound >= 8 * padding_bound ? 1 : 0;
 }
 
 // A warp copies one row: all its loads are issued before its (remote) stores, kCopyUnroll
@@ -136,8 +136,9 @@ __device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int3
 // of every row in one, so stale data (NaN or Inf included) must not stay there (the expert GEMMs
 // come after this kernel on the stream).
 // The padding rows of all experts are numbered in one sequence dealt round-robin over the `warps`
-// zeroing warps: each expert has fewer padding rows than there are warps, so dealing them per expert
-// left all the zeroing (16-32 MiB) to the first few SMs, a tail after everyone's sends.
+// zeroing warps. Dealt per expert instead, with fewer padding rows per expert (< row_align) than the
+// 256 warps of 16 blocks, all the zeroing (16-32 MiB) fell to the first few SMs, a tail after
+// everyone's sends.
 // Lane l looks up expert e0 + l's padding range, so a warp pays one memory latency per 32 experts.
 __device__ __forceinline__ void zero_padding(const EpDispatchArgs& a, int32_t warp, int32_t warps) {
   const int E = a.cfg.local_experts, H = a.cfg.hidden, lane = threadIdx.x % 32;

@@ -58,7 +58,8 @@ struct EpDispatchArgs {
   int32_t num_blocks;
   int32_t pad_blocks;  // set by the launcher: blocks of num_blocks that zero the padding rows
   // false: the caller's GEMM waits per expert on expert_arrivals itself (its producer's hook). The
-  // padding rows are written at the end of the rows kernel: a consumer must also come after it on the stream.
+  // padding rows are written by the rows kernel, complete only when it ends: a consumer must also come
+  // after it on the stream.
   bool wait_arrivals;
   uint64_t timeout_ns;
   ErrorRecord* error;

@@ -313,9 +313,9 @@ class Buffer:
     def rows_ready(self):
         """The GEMM wait hook for the last dispatch: ``(counters, epoch, per_epoch, rank)``; local expert
         ``e``'s rows are all in ``recv_rows`` once ``counters[e] >= epoch * per_epoch``. Its padding rows
-        (zero data, source -1, weight 0) are written by the dispatch kernel after its sends: they hold for
-        work ordered after the dispatch on its stream (as the layer's GEMMs are), not as soon as the
-        counter is reached."""
+        (zero data, source -1, weight 0) are written by the dispatch kernel, complete only when it ends:
+        they hold for work ordered after the dispatch on its stream (as the layer's GEMMs are), not as
+        soon as the counter is reached."""
         self._check_open()
         return self.region("expert_arrivals"), self.epoch, self.world, self.rank
 

@@ -65,7 +65,7 @@ def test_one_rank_create_close_recreate(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- two ranks: dispatch and combine alone
 
-DISPATCH_SIZES = dict(max_tokens_per_rank=300, hidden=64, intermediate=64, num_experts=8, top_k=3)
+DISPATCH_SIZES = dict(max_tokens_per_rank=1400, hidden=64, intermediate=64, num_experts=8, top_k=3)
 WORLD = 2
 
 
@@ -104,7 +104,10 @@ DISPATCH_CASES = {
     "rank0_without_tokens": dispatch_inputs((0, 64), "uniform", seed=2),
     "no_tokens_anywhere": dispatch_inputs((0, 0), "uniform", seed=3),
     # Every slot of every rank at full capacity to one expert of rank 1: its receive region fills up.
-    "all_to_one_expert": dispatch_inputs((300, 300), 5, seed=4),
+    "all_to_one_expert": dispatch_inputs((1400, 1400), 5, seed=4),
+    # T * K >= 8 * E_local * 128: at row_align 128 one block of the rows kernel zeroes the padding
+    # while the others send (ep_kernels.cu, dispatch_pad_blocks); the smaller cases take the other path.
+    "rows_outnumber_padding": dispatch_inputs((1400, 1390), "uniform", seed=7),
     "int32_ids_bf16_weights": dispatch_inputs((40, 33), "masked", seed=5, idx_dtype=torch.int32,
                                               weight_dtype=torch.bfloat16),
     "bad_ids": with_bad_ids(dispatch_inputs((5, 7), "uniform", seed=6)),

@@ -125,6 +125,25 @@ def test_gather_rows_cuda_equals_cpu(shape, scale_dtype):
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("scale_dtype", [None, torch.float32])
+def test_gather_rows_any_row_to_slot(scale_dtype):
+    """Not only dispatch_layout's maps: rows that name the same slot each get its row (the CUDA
+    gather walks tokens, and only one row per slot is the token's), and a slot past T * K counts
+    as -1 (zeros)."""
+    tokens, top_k, hidden = 40, 2, 264  # 33 16-byte vectors per row: not a multiple of the warp
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    scale = None if scale_dtype is None else torch.rand(tokens * top_k, generator=gen).to(scale_dtype)
+    row_to_slot = torch.randint(-1, tokens * top_k, (300,), generator=gen, dtype=torch.int32)
+    row_to_slot[:3] = 5
+    row_to_slot[3], row_to_slot[4] = tokens * top_k, 2 ** 31 - 1
+    in_range = torch.where(row_to_slot < tokens * top_k, row_to_slot, -1)
+    want = ops.gather_rows(x, in_range, top_k, scale)
+    got = ops.gather_rows(x.cuda(), row_to_slot.cuda(), top_k, None if scale is None else scale.cuda())
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got[0], got[2]) and not got[3].any() and not got[4].any()
+
+
 @pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_combine_reduce_cuda_matches_cpu(shape, weight_dtype):
