@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: build primemoe on the GPU machine (no network there: the
 # nvidia-cutlass wheel travels in .whl/), run the GPU test suite, the main job and
-# the benchmark. Logs and results land in $OUT (default ./gpu-out). REUSE_BUILD=1 skips the build when
+# the benchmark. Logs and JSON results land in $OUT (default ./gpu-out), the benchmark's tables and plots
+# in $TABLES (default /tmp/primemoe-tables) and the wheel in /tmp/primemoe-wheel: a device call returns
+# only a few files, and those should be the logs and JSONs. REUSE_BUILD=1 skips the build when
 # an earlier call on the same (still warm) machine built these sources.
 # PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
 #   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|ncu235|comm|commprof|sanitize|sass ...]   (default: tests main bench)
@@ -14,7 +16,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
+TABLES=${TABLES:-/tmp/primemoe-tables}
+WHEEL_DIR=/tmp/primemoe-wheel
+mkdir -p "$OUT" "$TABLES"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 STEPS=${*:-tests main bench}
 PY=python3
@@ -29,14 +33,16 @@ if [ "${REUSE_BUILD:-0}" = 1 ] && [ "$(cat /tmp/primemoe-built-sources 2>/dev/nu
    && $PY -c "import primemoe._C" 2>/dev/null; then
   echo "build: reusing the earlier install of these sources"
 else
-  PRIMEMOE_BUILD_JOBS=$(nproc) $PY -m pip wheel -q --no-build-isolation --no-deps --no-index -w "$OUT/wheel" . \
+  PRIMEMOE_BUILD_JOBS=$(nproc) $PY -m pip wheel -q --no-build-isolation --no-deps --no-index -w "$WHEEL_DIR" . \
     > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-  $PY -m pip install -q --no-index --no-deps --force-reinstall "$OUT"/wheel/primemoe-*.whl >> "$OUT/build.log" 2>&1 || exit 1
+  $PY -m pip install -q --no-index --no-deps --force-reinstall "$WHEEL_DIR"/primemoe-*.whl >> "$OUT/build.log" 2>&1 || exit 1
   echo "$src_hash" > /tmp/primemoe-built-sources
-  echo "build+install: $(( $(date +%s) - start )) s; wheel: $(ls "$OUT/wheel")"
+  echo "build+install: $(( $(date +%s) - start )) s; wheel: $(ls "$WHEEL_DIR")"
 fi
 export PYTHONPATH=
 SO=$($PY -c "import primemoe._C as c; print(c.__file__)")
+
+keep_json() { cp "$TABLES/$1/results.json" "$OUT/$1.json" 2>/dev/null || echo "no $TABLES/$1/results.json"; }
 
 status=0  # a failed test step makes the script exit 1, after the remaining steps
 for step in $STEPS; do
@@ -51,17 +57,17 @@ for step in $STEPS; do
     multigpu) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 | tee "$OUT/pytest-multigpu.log" | tail -20
               [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench2) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
-             --out "$OUT/bench2" 2>&1 | tee "$OUT/bench2.log" | tail -30 ;;
+             --out "$TABLES/bench2" 2>&1 | tee "$OUT/bench2.log" | tail -30; keep_json bench2 ;;
     gputests) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m "not multigpu" 2>&1 | tee "$OUT/pytest.log" | tail -40
               [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench1) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 \
-             --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+             --out "$TABLES/bench" 2>&1 | tee "$OUT/bench.log" | tail -30; keep_json bench ;;
     stages) $PY scripts/stage_times.py --out "$OUT/stages.json" 2>&1 | tee "$OUT/stages.log" ;;
     main) $PY -m primemoe 2>&1 | tee "$OUT/main.log" ;;
     bench) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 2 \
-             --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+             --out "$TABLES/bench" 2>&1 | tee "$OUT/bench.log" | tail -30; keep_json bench ;;
     comm) $PY -m primemoe.bench --comm --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
-            --out "$OUT/comm" 2>&1 | tee "$OUT/comm.log" | tail -30 ;;
+            --out "$TABLES/comm" 2>&1 | tee "$OUT/comm.log" | tail -30; keep_json comm ;;
     commprof) $PY scripts/comm_profile.py --out "$OUT/commprof.json" 2>&1 | tee "$OUT/commprof.log" ;;
     ncu|ncu235)  # ncu235: Qwen3-235B-A22B at T = 8192
       shape_args=""; [ "$step" = ncu235 ] && shape_args="--shape qwen3-235b-a22b --tokens 8192"
