@@ -208,7 +208,7 @@ LayoutResult dispatch_layout_cpu(const at::Tensor& topk_idx, int64_t num_experts
 }
 
 void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
-                       const std::optional<at::Tensor>& scale) {
+                       const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row) {
   check_rows(src, "src");
   check_index(row_to_slot, "row_to_slot", 1);
   PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
@@ -216,11 +216,19 @@ void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int
     PRIMEMOE_CHECK(scale->numel() == src.size(0) * top_k, "scale: expected ", src.size(0) * top_k,
                 " elements (one per slot), got ", scale->numel());
   }
+  if (slot_to_row.has_value()) {
+    check_index(*slot_to_row, "slot_to_row", 2);
+    PRIMEMOE_CHECK(slot_to_row->size(0) == src.size(0) && slot_to_row->size(1) == top_k,
+                   "slot_to_row: expected shape [", src.size(0), ", ", top_k, "], got ", slot_to_row->sizes());
+    check_same_device(*slot_to_row, row_to_slot, "slot_to_row");
+  }
 }
 
+// The kernel walks tokens, so it needs slot_to_row: the caller's (dispatch_layout made both maps),
+// else the inverse of row_to_slot, computed on the device.
 at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
-                            const std::optional<at::Tensor>& scale) {
-  check_gather_args(src, row_to_slot, top_k, scale);
+                            const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row) {
+  check_gather_args(src, row_to_slot, top_k, scale, slot_to_row);
   const c10::cuda::CUDAGuard guard(src.device());
   auto dst = at::empty({row_to_slot.size(0), src.size(1)}, src.options());
   GatherRowsArgs a{};
@@ -233,14 +241,22 @@ at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot
   a.num_tokens = src.size(0);
   a.hidden = static_cast<int32_t>(src.size(1));
   a.top_k = static_cast<int32_t>(top_k);
-  auto slot_to_row = at::empty({src.size(0) * top_k}, row_to_slot.options());
-  check_cuda(launch_gather_rows(a, slot_to_row.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream()), "gather_rows");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor inverse = slot_to_row.has_value() ? *slot_to_row : at::empty({src.size(0), top_k}, row_to_slot.options());
+  if (!slot_to_row.has_value()) {
+    check_cuda(launch_invert_row_to_slot(row_to_slot.data_ptr<int32_t>(), a.num_rows, src.size(0) * top_k,
+                                         inverse.data_ptr<int32_t>(), stream),
+               "gather_rows");
+  }
+  a.slot_to_row = inverse.data_ptr<int32_t>();
+  check_cuda(launch_gather_rows(a, stream), "gather_rows");
   return dst;
 }
 
+// slot_to_row is not needed here: the rows are taken in row order.
 at::Tensor gather_rows_cpu(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
-                           const std::optional<at::Tensor>& scale) {
-  check_gather_args(src, row_to_slot, top_k, scale);
+                           const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row) {
+  check_gather_args(src, row_to_slot, top_k, scale, slot_to_row);
   const auto valid = row_to_slot.ge(0);
   const auto slot = row_to_slot.clamp_min(0).to(at::kLong);
   auto rows = src.index_select(0, slot.div(top_k, "floor")).to(at::kFloat);
@@ -768,7 +784,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cpu(const at::Tensor& x, co
                                                          int64_t top_k, const at::Tensor& w1,
                                                          const at::Tensor& offsets, bool keep_fc1) {
   check_fc1_gather_args(x, row_to_slot, top_k, w1, offsets);
-  return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt), w1, offsets, keep_fc1, std::nullopt,
+  return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt, std::nullopt), w1, offsets, keep_fc1, std::nullopt,
                         std::nullopt, 1, 0, true);
 }
 
@@ -884,7 +900,7 @@ TORCH_LIBRARY(primemoe, m) {
   m.def(
       "dispatch_layout(Tensor topk_idx, int num_experts, int expert_begin, int num_local_experts, int row_align) "
       "-> (Tensor expert_counts, Tensor expert_offsets, Tensor slot_to_row, Tensor row_to_slot)");
-  m.def("gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale) -> Tensor");
+  m.def("gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale, Tensor? slot_to_row=None) -> Tensor");
   m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
   m.def("copy_routed_rows(Tensor rows, Tensor expert_offsets) -> Tensor");

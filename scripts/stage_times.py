@@ -48,17 +48,17 @@ def stages(shape, tokens):
     w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
     dy = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
     _, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
-    xs = lib.gather_rows(x, r2s, K, None)
+    xs = lib.gather_rows(x, r2s, K, None, s2r)
     a, h = lib.fc1_swiglu(xs, w1, off, True)
     rw = ops.row_weights(w, r2s)
     o = lib.expert_gemm(a, w2, off, False, rw)
-    dy_rows = lib.gather_rows(dy, r2s, K, None)
+    dy_rows = lib.gather_rows(dy, r2s, K, None, s2r)
     dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, rw, off)
     rows = int(off[-1])
     flops = 2 * rows * H * I  # one H x I GEMM over the padded rows
     table = {
         "dispatch_layout": (lambda: lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN), 0),
-        "gather_rows x": (lambda: lib.gather_rows(x, r2s, K, None), 0),
+        "gather_rows x": (lambda: lib.gather_rows(x, r2s, K, None, s2r), 0),
         "fc1_swiglu (gathered x)": (lambda: lib.fc1_swiglu(xs, w1, off, True), 2 * flops),
         "fc1_swiglu, h not kept": (lambda: lib.fc1_swiglu(xs, w1, off, False), 2 * flops),
         "fc1 GEMM alone (expert_gemm)": (lambda: lib.expert_gemm(xs, w1, off, False), 2 * flops),

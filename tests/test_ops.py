@@ -58,10 +58,12 @@ def layout(topk_idx, row_align=1):
 
 
 @pytest.mark.parametrize("scale_dtype", [None, torch.float32, torch.bfloat16])
-def test_opcheck_gather_rows(problem, scale_dtype):
-    row_to_slot = layout(problem.topk_idx, row_align=4)[3]
+@pytest.mark.parametrize("with_slot_to_row", [False, True])
+def test_opcheck_gather_rows(problem, scale_dtype, with_slot_to_row):
+    _, _, slot_to_row, row_to_slot = layout(problem.topk_idx, row_align=4)
     scale = None if scale_dtype is None else problem.topk_weights.to(scale_dtype)
-    torch.library.opcheck(ops.gather_rows, (problem.x, row_to_slot, K, scale))
+    args = (problem.x, row_to_slot, K, scale) + ((slot_to_row,) if with_slot_to_row else ())
+    torch.library.opcheck(ops.gather_rows, args)
 
 
 @pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
@@ -280,6 +282,12 @@ CPP_ERRORS = {
     "gather_fp32_src": ("", "ops.gather_rows(x.float(), row_to_slot, 2, None)", "src: expected bfloat16"),
     "gather_top_k_0": ("", "ops.gather_rows(x, row_to_slot, 0, None)", "top_k: expected >= 1, got 0"),
     "gather_scale_numel": ("", "ops.gather_rows(x, row_to_slot, 2, torch.ones(3))", "scale: expected 18 elements"),
+    "gather_slot_to_row_shape": ("", "ops.gather_rows(x, row_to_slot, 2, None, slot_to_row.view(18))",
+                                 "slot_to_row: expected a 2-D tensor"),
+    "gather_slot_to_row_top_k": ("", "ops.gather_rows(x, row_to_slot, 2, None, slot_to_row.view(6, 3))",
+                                 r"slot_to_row: expected shape \[9, 2\]"),
+    "gather_slot_to_row_int64": ("", "ops.gather_rows(x, row_to_slot, 2, None, slot_to_row.long())",
+                                 "slot_to_row: expected int32"),
     "combine_weights_shape": ("", "ops.combine_reduce(rows, slot_to_row, torch.ones(9, 3))", "weights: expected shape"),
     "slot_dot_shapes": ("", "ops.slot_dot(rows, rows[:4], slot_to_row)", "b: expected the shape of a"),
     "copy_rows_1d": ("", "ops.copy_routed_rows(row_to_slot, offsets)", "rows: expected a 2-D tensor"),

@@ -16,6 +16,7 @@ enum class ScaleType : int32_t { kNone = 0, kFloat32 = 1, kBFloat16 = 2 };
 struct GatherRowsArgs {
   const void* src;  // [T, H] bf16
   const int32_t* row_to_slot;
+  const int32_t* slot_to_row;  // [T*K] the inverse of row_to_slot (-1: no row), e.g. dispatch_layout's
   const void* scale;  // [T*K] per-slot factor or null
   ScaleType scale_type;
   void* dst;  // [num_rows, H] bf16
@@ -58,8 +59,10 @@ struct CopyRoutedRowsArgs {
   int64_t row_bytes;  // a multiple of 16
 };
 
-// slot_to_row: [num_tokens * top_k] int32 scratch, filled with the inverse of row_to_slot.
-cudaError_t launch_gather_rows(const GatherRowsArgs& args, int32_t* slot_to_row, cudaStream_t stream);
+// slot_to_row[s] = r for every row r with row_to_slot[r] = s in [0, num_slots), else -1.
+cudaError_t launch_invert_row_to_slot(const int32_t* row_to_slot, int64_t num_rows, int64_t num_slots,
+                                      int32_t* slot_to_row, cudaStream_t stream);
+cudaError_t launch_gather_rows(const GatherRowsArgs& args, cudaStream_t stream);
 cudaError_t launch_combine_reduce(const CombineReduceArgs& args, cudaStream_t stream);
 cudaError_t launch_slot_dot(const SlotDotArgs& args, cudaStream_t stream);
 cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& args, cudaStream_t stream);

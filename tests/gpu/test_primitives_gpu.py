@@ -115,13 +115,15 @@ def rows_problem(tokens, top_k, hidden, seed):
 ROW_SHAPES = [(1, 1, 8), (300, 8, 256), (2000, 2, 7168)]  # tokens, top_k, hidden
 
 
+@pytest.mark.parametrize("with_slot_to_row", [False, True], ids=["inverted_on_device", "layout_slot_to_row"])
 @pytest.mark.parametrize("scale_dtype", [None, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", ROW_SHAPES)
-def test_gather_rows_cuda_equals_cpu(shape, scale_dtype):
-    x, weights, _, row_to_slot = rows_problem(*shape, seed=1)
+def test_gather_rows_cuda_equals_cpu(shape, scale_dtype, with_slot_to_row):
+    x, weights, slot_to_row, row_to_slot = rows_problem(*shape, seed=1)
     scale = None if scale_dtype is None else weights.to(scale_dtype)
     want = ops.gather_rows(x, row_to_slot, shape[1], scale)
-    got = ops.gather_rows(x.cuda(), row_to_slot.cuda(), shape[1], None if scale is None else scale.cuda())
+    given = (slot_to_row.cuda(),) if with_slot_to_row else ()
+    got = ops.gather_rows(x.cuda(), row_to_slot.cuda(), shape[1], None if scale is None else scale.cuda(), *given)
     assert torch.equal(got.cpu(), want)
 
 
