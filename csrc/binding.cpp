@@ -847,7 +847,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cpu(const at::Te
 }
 
 // out[e] = a_rows[rows of e]^T b_rows[rows of e]: the weight gradient, summed over each expert's rows.
-void check_wgrad_args(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets) {
+// expert_rows: the layout's routed rows per expert, or none. The kernel then skips 64-row k-slices of
+// padding, which must be zeros as the layout leaves them: wrong counts would give wrong results, so they
+// are the layout's own.
+void check_wgrad_args(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
+                      const std::optional<at::Tensor>& expert_rows) {
   check_rows(a_rows, "a_rows");
   check_rows(b_rows, "b_rows");
   check_same_device(b_rows, a_rows, "b_rows");
@@ -856,21 +860,29 @@ void check_wgrad_args(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
   check_index(offsets, "expert_offsets", 1);
   PRIMEMOE_CHECK(offsets.numel() >= 2, "expert_offsets: expected at least one expert");
   check_same_device(offsets, a_rows, "expert_offsets");
+  if (!expert_rows.has_value()) return;
+  check_index(*expert_rows, "expert_rows", 1);
+  PRIMEMOE_CHECK(expert_rows->numel() == offsets.numel() - 1, "expert_rows: expected one count per expert (",
+                 offsets.numel() - 1, "), got ", expert_rows->numel());
+  check_same_device(*expert_rows, a_rows, "expert_rows");
 }
 
-at::Tensor expert_wgrad_cuda(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets) {
-  check_wgrad_args(a_rows, b_rows, offsets);
+at::Tensor expert_wgrad_cuda(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
+                             const std::optional<at::Tensor>& expert_rows) {
+  check_wgrad_args(a_rows, b_rows, offsets, expert_rows);
   const c10::cuda::CUDAGuard guard(a_rows.device());
   auto out = at::empty({offsets.numel() - 1, a_rows.size(1), b_rows.size(1)}, a_rows.options());
   if (a_rows.size(0) == 0) return out.zero_();
-  run_gemm(gemm_args(GemmSchedule::kExperts, GemmEpilogue::kStore, a_rows, b_rows, false, a_rows.size(1),
-                     b_rows.size(1), 0, offsets, out),
-           a_rows, "expert_wgrad");
+  auto g = gemm_args(GemmSchedule::kExperts, GemmEpilogue::kStore, a_rows, b_rows, false, a_rows.size(1),
+                     b_rows.size(1), 0, offsets, out);
+  g.expert_rows = expert_rows.has_value() ? expert_rows->data_ptr<int32_t>() : nullptr;
+  run_gemm(g, a_rows, "expert_wgrad");
   return out;
 }
 
-at::Tensor expert_wgrad_cpu(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets) {
-  check_wgrad_args(a_rows, b_rows, offsets);
+at::Tensor expert_wgrad_cpu(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
+                            const std::optional<at::Tensor>& expert_rows) {
+  check_wgrad_args(a_rows, b_rows, offsets, expert_rows);
   auto out = at::zeros({offsets.numel() - 1, a_rows.size(1), b_rows.size(1)}, a_rows.options());
   auto off = offsets.accessor<int32_t, 1>();
   for (int64_t e = 0; e + 1 < offsets.numel(); ++e) {
@@ -918,7 +930,8 @@ TORCH_LIBRARY(primemoe, m) {
   m.def(
       "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets, "
       "bool zero_unrouted=True) -> (Tensor dh, Tensor aw, Tensor dot)");
-  m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets) -> Tensor");
+  // expert_rows: the layout's routed rows per expert, so that k-slices of padding are skipped (same result).
+  m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets, Tensor? expert_rows=None) -> Tensor");
   m.def("expert_gemm_unsupported(int device, int hidden, int intermediate) -> str", &expert_gemm_unsupported_op);
   m.def("take_error(int device) -> int[]", &take_error_op);
   m.def("describe_error(int[] record) -> str", &describe_error_op);

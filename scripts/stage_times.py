@@ -47,7 +47,7 @@ def stages(shape, tokens):
     w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
     dy = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
-    _, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
+    cnt, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
     xs = lib.gather_rows(x, r2s, K, None, s2r)
     a, h = lib.fc1_swiglu(xs, w1, off, True)
     rw = ops.row_weights(w, r2s)
@@ -66,9 +66,12 @@ def stages(shape, tokens):
         "fc2 expert_gemm": (lambda: lib.expert_gemm(a, w2, off, False, rw), flops),
         "combine_reduce": (lambda: lib.combine_reduce(o, s2r, None), 0),
         "fc2_dgrad_swiglu": (lambda: lib.fc2_dgrad_swiglu(dy_rows, w2, h, rw, off), flops),
-        "wgrad w2": (lambda: lib.expert_wgrad(dy_rows, aw, off), flops),
+        "wgrad w2": (lambda: lib.expert_wgrad(dy_rows, aw, off, cnt), flops),
         "fc1 dgrad expert_gemm": (lambda: lib.expert_gemm(dh, w1, off, True), 2 * flops),
-        "wgrad w1": (lambda: lib.expert_wgrad(dh, xs, off), 2 * flops),
+        "wgrad w1": (lambda: lib.expert_wgrad(dh, xs, off, cnt), 2 * flops),
+        # Without the layout's counts: every padding k-slice reduced (interleaved with the above).
+        "wgrad w2, no counts": (lambda: lib.expert_wgrad(dy_rows, aw, off), flops),
+        "wgrad w1, no counts": (lambda: lib.expert_wgrad(dh, xs, off), 2 * flops),
         "forward total": (lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True), 6 * tokens * K * H * I),
         "backward total": (lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, h, True),
                            12 * tokens * K * H * I),

@@ -12,6 +12,7 @@ from primemoe.ops import ROW_ALIGN
 @dataclass
 class EngineOperands:
     offsets: torch.Tensor  # int32 [E + 1]
+    counts: torch.Tensor  # int32 [E]: routed rows per expert (the layout's expert_counts)
     xs: torch.Tensor  # [R, H]
     h: torch.Tensor  # [R, 2I]
     a: torch.Tensor  # [R, I]
@@ -43,6 +44,7 @@ def engine_operands(counts, hidden, inter, *, seed=0, device="cpu", spare_rows=3
     E = len(counts)
     return EngineOperands(
         offsets=offsets.to(device),
+        counts=torch.tensor(counts, dtype=torch.int32).to(device),
         xs=rows(hidden),
         h=rows(2 * inter, scale=2.0),
         a=rows(inter),

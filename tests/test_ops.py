@@ -173,6 +173,17 @@ def test_opcheck_fc2_dgrad_swiglu(engine):
 
 def test_opcheck_expert_wgrad(engine):
     torch.library.opcheck(ops.expert_wgrad, (engine.dy_rows, engine.a, engine.offsets))
+    torch.library.opcheck(ops.expert_wgrad, (engine.dy_rows, engine.a, engine.offsets, engine.counts))
+
+
+def test_expert_wgrad_counts_are_checked(engine):
+    e = engine
+    with pytest.raises(RuntimeError, match=r"expert_rows: expected one count per expert \(3\), got 2"):
+        ops.expert_wgrad(e.dy_rows, e.a, e.offsets, e.counts[:2])
+    with pytest.raises(RuntimeError, match="expert_rows: expected int32"):
+        ops.expert_wgrad(e.dy_rows, e.a, e.offsets, e.counts.long())
+    with pytest.raises(RuntimeError, match="expert_rows: expected a 1-D tensor"):
+        ops.expert_wgrad(e.dy_rows, e.a, e.offsets, e.counts.view(1, 3))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")

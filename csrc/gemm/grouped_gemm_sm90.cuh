@@ -216,7 +216,9 @@ struct TileWalker {
       const int32_t e = int32_t(t / per_expert);
       const int32_t r = int32_t(t % per_expert);
       const int32_t begin = args.expert_offsets[e];
-      tile = {e, (r / n_tiles) * 128, r % n_tiles, begin, (args.expert_offsets[e + 1] - begin) / kGemmTileK};
+      int32_t rows = args.expert_offsets[e + 1] - begin;
+      if (args.expert_rows != nullptr) rows = max(min(rows, args.expert_rows[e]), 0);
+      tile = {e, (r / n_tiles) * 128, r % n_tiles, begin, (rows + kGemmTileK - 1) / kGemmTileK};
     }
     return tile;
   }

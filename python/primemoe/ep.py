@@ -95,11 +95,11 @@ class _ExpertParallelMoE(torch.autograd.Function):
         # Same routing as the forward, hence the same receive layout: dy's rows line up with xs and h.
         # The views below are read before this rank's next dispatch, and no rank writes into this
         # rank's receive region before that dispatch has exchanged its counts: no copies needed.
-        _, offsets, slot_valid = buffer.dispatch(dy.contiguous(), topk_idx, topk_weights)
+        counts, offsets, slot_valid = buffer.dispatch(dy.contiguous(), topk_idx, topk_weights)
         dy_rows = buffer.region("recv_rows")
         row_weight = buffer.region("recv_weights")
         # dtw_rows: one fp32 dot per received row, sent back to its slot as the routing-weight gradient.
-        dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, ctx.engine,
+        dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, ctx.engine,
                                                   zero_unrouted=False)
         buffer.combine(dxs, offsets, dtw_rows)
         dx = lib.combine_reduce(buffer.region("combine_rows")[:T * K], _slot_map(slot_valid), None)

@@ -124,7 +124,7 @@ def _fc2_dgrad_swiglu_fake(dy_rows, w2, h, row_weight, expert_offsets, zero_unro
 
 
 @torch.library.register_fake("primemoe::expert_wgrad")
-def _expert_wgrad_fake(a_rows, b_rows, expert_offsets):
+def _expert_wgrad_fake(a_rows, b_rows, expert_offsets, expert_rows=None):
     return a_rows.new_empty(expert_offsets.shape[0] - 1, a_rows.shape[1], b_rows.shape[1])
 
 
@@ -212,9 +212,10 @@ def expert_fc2(a, w2, offsets, row_weight, engine, zero_unrouted=True):
     return (o.float() * row_weight.unsqueeze(1)).to(o.dtype)
 
 
-def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine, zero_unrouted=True):
+def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine, zero_unrouted=True):
     """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
-    *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed). Returns
+    *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed); ``counts``: the
+    layout's routed rows per expert (the engine's weight gradients skip the padding with them). Returns
     ``(dxs, dw1, dw2, dtw_rows)``; ``dtw_rows[r] = <dy_r, FC2 output_r>`` = ``<da_r, a_r>``
     (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept.
     Reads no row of ``xs`` past ``offsets[-1]`` (ep.py saves only those): the engine skips tiles past
@@ -223,9 +224,9 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine, zero_un
         if h is None:  # the pre-activations only: FC1 without its SwiGLU epilogue
             h = lib.expert_gemm(xs, w1, offsets, False, zero_unrouted=zero_unrouted)
         dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets, zero_unrouted=zero_unrouted)
-        dw2 = lib.expert_wgrad(dy_rows, aw, offsets)
+        dw2 = lib.expert_wgrad(dy_rows, aw, offsets, counts)
         dxs = lib.expert_gemm(dh, w1, offsets, True, zero_unrouted=zero_unrouted)
-        dw1 = lib.expert_wgrad(dh, xs, offsets)
+        dw1 = lib.expert_wgrad(dh, xs, offsets, counts)
         # With zero_unrouted=False the rows past offsets[-1] of dot are undefined, and so are their
         # sums; nobody reads those rows.
         return dxs, dw1, dw2, dot.sum(1)
@@ -260,7 +261,7 @@ def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine
     T, H = x.shape
     K = topk_idx.shape[1]
     E = w1.shape[0]
-    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
+    counts, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
     if T * K == 0:
         return (torch.zeros_like(x), torch.zeros(T, K, dtype=torch.float32, device=x.device),
                 torch.zeros_like(w1), torch.zeros_like(w2))
@@ -269,7 +270,7 @@ def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine
     h = fc1_out if fc1_out is not None and fc1_out.numel() else None
     dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None, slot_to_row)
     row_weight = row_weights(topk_weights, row_to_slot)
-    dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, engine)
+    dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine)
     d_topk_weights = torch.where(slot_to_row >= 0, dtw_rows[slot_to_row.clamp(min=0).long()], 0.0)
     dx = lib.combine_reduce(dxs, slot_to_row, None)
     return dx, d_topk_weights, dw1, dw2

@@ -18,6 +18,9 @@ COUNTS = {
     "mixed": [0, 1, 127, 128, 129, 700, 0, 300],
     "one_heavy": [5, 0, 2000, 0, 0, 3, 0, 0],
     "all_empty": [0, 0, 0, 0],
+    # Experts ending just before, at and after 64-row k-slice boundaries (the weight gradients skip the
+    # k-slices of padding, given the counts).
+    "slice_edges": [63, 64, 65, 191, 192, 193, 0, 1, 256, 300],
 }
 SHAPES = {name: REFERENCE_SHAPES[name][:2] for name in ("qwen3-30b-a3b", "qwen3-235b-a22b")} | {"small": (256, 256)}
 
@@ -97,6 +100,10 @@ def test_backward_ops_match_cpu(counts, shape):
         assert_rows_close(name, got, want)
         empty = torch.tensor(COUNTS[counts]) == 0
         assert not got[empty.cuda()].any(), f"{name}: an expert without rows must get a zero gradient"
+        # With the layout's counts the k-slices of padding are skipped: the same bits, in poisoned memory.
+        poison_caching_allocator()
+        skipping = ops.expert_wgrad(getattr(gpu, lhs), getattr(gpu, rhs), gpu.offsets, gpu.counts)
+        assert torch.equal(skipping, got), f"{name}: differs with expert_rows"
 
 
 def test_engine_ops_are_bitwise_repeatable():
@@ -145,6 +152,7 @@ def test_opcheck_engine_ops_on_cuda():
     torch.library.opcheck(ops.expert_gemm, (e.h, e.w1, e.offsets, True))
     torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets))
     torch.library.opcheck(ops.expert_wgrad, (e.dy_rows, e.a, e.offsets))
+    torch.library.opcheck(ops.expert_wgrad, (e.dy_rows, e.a, e.offsets, e.counts))
 
 
 def test_engine_covers_the_reference_shapes_on_this_gpu():
