@@ -352,10 +352,57 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     __syncwarp();
     if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.empty[s]);
   };
+  const int64_t n = args.n;
+  const int wg = ct / 128;
+  const int wtid = ct % 128;
+  // wgmma's accumulator fragment: value i of a thread sits at row frag_row + 8 * ((i >> 1) & 1)
+  // of its warpgroup's 64 rows and column frag_col + 8 * (i >> 2) + (i & 1).
+  const int frag_row = 16 * (wtid / 32) + (wtid % 32) / 4;
+  const int frag_col = 2 * (wtid % 4);
+  uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
+  const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
   int stage = 0;
   uint32_t phase = 0;
   for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
     const Tile tile = walker.at(t);
+    const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
+    // Past the routed rows the epilogue's inputs are undefined: zeros are used instead of them.
+    const bool routed = tile.k_tiles > 0;
+    // The routing weights of the thread's two rows (FC2, FC2 dgrad), loaded before the mainloop so that
+    // the epilogue does not wait a memory round trip for them.
+    float row_scale[2] = {1.0f, 1.0f};
+    if (S == GemmSchedule::kRows && E != GemmEpilogue::kSwiGLU && args.row_weight != nullptr) {
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int64_t r = int64_t(row0) + frag_row + 8 * h;
+        row_scale[h] = routed && r < args.num_rows ? args.row_weight[r] : 0.0f;
+      }
+    }
+    // FC2 dgrad: quarter q's gate / up pre-activations into slots 0 / 1 (64 rows x 8 chunks of 16 bytes
+    // per box, 128 threads), all in flight at once.
+    auto load_quarter = [&](int q) {
+      const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
+#pragma unroll 1
+      for (int v = 0; v < 4; ++v) {
+        const int idx = wtid + 128 * v;
+        const int r = idx / 8;
+        const int chunk = idx % 8;
+        const int64_t grow = int64_t(row0) + r;
+        const bool real = routed && grow < args.num_rows;
+        const __nv_bfloat16* src = real ? in_h + grow * 2 * n + col0 + chunk * 8 : in_h;
+        const uint32_t dst = smem_addr(slots) + swizzled(r, chunk * 8);
+        cp_async_16(dst, src, real ? 16 : 0);
+        cp_async_16(dst + kBoxBytes, real ? src + n : in_h, real ? 16 : 0);
+      }
+    };
+    constexpr bool kLoadsQuarters = E == GemmEpilogue::kSwiGLUBackward;
+    // The first quarter's loads overlap the mainloop: issued once the first k-slice's wgmma are (or
+    // before an empty mainloop), after the previous tile's stores have read the slots.
+    auto prefetch_first_quarter = [&] {
+      staging_acquire(wg, wtid);
+      load_quarter(0);
+    };
+    if (kLoadsQuarters && !routed) prefetch_first_quarter();
     if (tile.k_tiles == 0) clear(acc);
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
@@ -369,6 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
+      if (kLoadsQuarters && kt == 0) prefetch_first_quarter();
       // Keep one k-tile of wgmma in flight; the one before it is done, so its stage goes back.
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc);
@@ -387,15 +435,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // slots (128-byte swizzled, conflict-free) and one thread hands them to TMA stores, which
     // drain while the warpgroup fills the next boxes or runs the next tile's mainloop. TMA clips rows past
     // the tensor, and kRows tiles past the routed rows (k_tiles == 0) hold zeros.
-    const int64_t n = args.n;
-    const int wg = ct / 128;
-    const int wtid = ct % 128;
-    // wgmma's accumulator fragment: value i of a thread sits at row frag_row + 8 * ((i >> 1) & 1)
-    // of its warpgroup's 64 rows and column frag_col + 8 * (i >> 2) + (i & 1).
-    const int frag_row = 16 * (wtid / 32) + (wtid % 32) / 4;
-    const int frag_col = 2 * (wtid % 4);
-    uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
-    const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
     // The accumulator as bf16 through the staging boxes into `map`, kBoxes / 2 of its 128-column halves per
     // round; half j goes to columns [col(j), col(j) + 128) of rows row0..; the thread's two rows (frag_row,
     // frag_row + 8) are scaled by scale0 and scale1.
@@ -425,15 +464,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
     };
     if constexpr (E == GemmEpilogue::kStore) {
-      float scale[2] = {1.0f, 1.0f};
-      if (S == GemmSchedule::kRows && args.row_weight != nullptr) {
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const int64_t r = int64_t(row0) + frag_row + 8 * h;
-          scale[h] = tile.k_tiles > 0 && r < args.num_rows ? args.row_weight[r] : 0.0f;
-        }
-      }
-      store_halves(&p.tma_out, [&](int j) { return tile.n_tile * kGemmTileN + 128 * j; }, scale[0], scale[1]);
+      store_halves(&p.tma_out, [&](int j) { return tile.n_tile * kGemmTileN + 128 * j; }, row_scale[0],
+                   row_scale[1]);
     } else if constexpr (E == GemmEpilogue::kSwiGLU) {
       // The pre-activations, rounded to bf16 as kept for the backward: gate half, then up half.
       if (args.out_h != nullptr) {
@@ -456,34 +488,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     } else {
       // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
       // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
-      // loads), are overwritten in place by their gradients, slot 2 takes weight * a.
-      // Past the routed rows the inputs are undefined: zeros are used instead of them.
-      const bool routed = tile.k_tiles > 0;
-      const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
+      // loads, straight into shared memory: one memory round trip per quarter), are overwritten in
+      // place by their gradients, slot 2 takes weight * a.
       float dot[2] = {0.0f, 0.0f};
-      float w[2];
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int64_t r = int64_t(row0) + frag_row + 8 * h;
-        w[h] = routed && r < args.num_rows ? args.row_weight[r] : 0.0f;
-      }
+      const float* w = row_scale;
       CUTE_UNROLL
       for (int q = 0; q < 4; ++q) {
         const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
-        staging_acquire(wg, wtid);
-        // All of the quarter's loads in flight at once (asynchronous copies, so the loop needs no
-        // unrolling for it), straight into shared memory: one memory round trip per quarter.
-#pragma unroll 1
-        for (int v = 0; v < 4; ++v) {  // 64 rows x 8 chunks of 16 bytes per box, 128 threads
-          const int idx = wtid + 128 * v;
-          const int r = idx / 8;
-          const int chunk = idx % 8;
-          const int64_t grow = int64_t(row0) + r;
-          const bool real = routed && grow < args.num_rows;
-          const __nv_bfloat16* src = real ? in_h + grow * 2 * n + col0 + chunk * 8 : in_h;
-          const uint32_t dst = smem_addr(slots) + swizzled(r, chunk * 8);
-          cp_async_16(dst, src, real ? 16 : 0);
-          cp_async_16(dst + kBoxBytes, real ? src + n : in_h, real ? 16 : 0);
+        if (q > 0) {
+          staging_acquire(wg, wtid);
+          load_quarter(q);
         }
         cp_async_wait_all();
         wg_sync(wg);

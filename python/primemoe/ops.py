@@ -18,7 +18,8 @@ weighted rows. The engine's ops:
 - ``expert_gemm``: FC2 forward (routing weight applied in the epilogue) and FC1 dgrad;
 - ``fc2_dgrad_swiglu``: FC2 dgrad with the SwiGLU backward, the routing weight and the
   ``<da, a>`` routing-weight gradient partials in the epilogue;
-- ``expert_wgrad``: both weight gradients, each expert's rows reduced inside one tile.
+- ``expert_wgrad``: both weight gradients, each expert's rows reduced inside one tile (given
+  the layout's counts, only up to the last 64-row k-slice holding a routed row).
 
 Where the engine does not cover a problem (not an sm_90 GPU, sizes not multiples of
 the tiles, ``PRIMEMOE_GEMM=torch``) the same composition runs on ``torch._grouped_mm``.
