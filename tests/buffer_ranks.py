@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ep_harness import rank_problem
+from ep_harness import init_rank, rank_problem
 from helpers import Outputs, Problem, graph_replays, run_moe
 
 import primemoe
@@ -39,7 +39,7 @@ def spawn_ranks(fn, world, *args, timeout_s=600):
 def nccl_rank(rank, world):
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    init_rank("nccl", rank, world, device_id=device)
     try:
         yield device
     finally:

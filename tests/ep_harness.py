@@ -9,7 +9,7 @@ fp64 reference of the whole problem. A failing rank fails the spawn, hence the t
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -34,15 +34,23 @@ EP_CASES = {
 }
 
 
+RENDEZVOUS_ENV = "PRIMEMOE_TEST_RENDEZVOUS"
+
+
 def prepare_spawn(monkeypatch, **env):
-    """Rendezvous address and ``env`` for the ranks to inherit; they also inherit sys.path,
-    so the primemoe this process imported goes first (another test may have put a source tree there)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for name, value in dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+    """A rendezvous and ``env`` for the ranks to inherit; they also inherit sys.path, so the
+    primemoe this process imported goes first (another test may have put a source tree there).
+    The rendezvous is a new file, not a TCP port: a free port picked here could be taken before
+    rank 0 listens on it (seen once on the GPU machine, EADDRINUSE)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="primemoe-rdzv-"), "store")
+    for name, value in dict(env, **{RENDEZVOUS_ENV: f"file://{path}"}).items():
         monkeypatch.setenv(name, value)
     monkeypatch.syspath_prepend(PRIMEMOE_ROOT)
+
+
+def init_rank(backend, rank, world, **kwargs):
+    """The spawned rank's process group, over the rendezvous prepare_spawn made."""
+    dist.init_process_group(backend, init_method=os.environ[RENDEZVOUS_ENV], rank=rank, world_size=world, **kwargs)
 
 
 def token_slices(tokens_per_rank):
@@ -67,10 +75,10 @@ def _rank_main(rank, world, backend, problem_path, tokens_per_rank, out_dir):
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
+        init_rank(backend, rank, world, device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        init_rank(backend, rank, world)
     try:
         mine = rank_problem(Problem(**torch.load(problem_path)), rank, tokens_per_rank, device)
         out = run_moe(lambda *args: primemoe.baseline.moe(*args, group=dist.group.WORLD), mine)
