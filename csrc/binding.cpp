@@ -930,7 +930,8 @@ TORCH_LIBRARY(primemoe, m) {
   m.def(
       "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets, "
       "bool zero_unrouted=True) -> (Tensor dh, Tensor aw, Tensor dot)");
-  // expert_rows: the layout's routed rows per expert, so that k-slices of padding are skipped (same result).
+  // expert_rows: the layout's routed rows per expert, so that k-slices of padding are skipped (the same
+  // result: the layout's padding rows are zeros).
   m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets, Tensor? expert_rows=None) -> Tensor");
   m.def("expert_gemm_unsupported(int device, int hidden, int intermediate) -> str", &expert_gemm_unsupported_op);
   m.def("take_error(int device) -> int[]", &take_error_op);

@@ -9,7 +9,7 @@ fp64 reference of the whole problem. A failing rank fails the spawn, hence the t
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -37,12 +37,12 @@ EP_CASES = {
 RENDEZVOUS_ENV = "PRIMEMOE_TEST_RENDEZVOUS"
 
 
-def prepare_spawn(monkeypatch, **env):
-    """A rendezvous and ``env`` for the ranks to inherit; they also inherit sys.path, so the
-    primemoe this process imported goes first (another test may have put a source tree there).
-    The rendezvous is a new file, not a TCP port: a free port picked here could be taken before
-    rank 0 listens on it (seen once on the GPU machine, EADDRINUSE)."""
-    path = os.path.join(tempfile.mkdtemp(prefix="primemoe-rdzv-"), "store")
+def prepare_spawn(monkeypatch, directory, **env):
+    """A rendezvous in ``directory`` (the test's tmp_path) and ``env`` for the ranks to inherit; they
+    also inherit sys.path, so the primemoe this process imported goes first (another test may have put
+    a source tree there). The rendezvous is a new file, not a TCP port: a free port picked here could
+    be taken before rank 0 listens on it (seen once on the GPU machine, EADDRINUSE)."""
+    path = os.path.join(directory, f"rendezvous-{uuid.uuid4().hex}")
     for name, value in dict(env, **{RENDEZVOUS_ENV: f"file://{path}"}).items():
         monkeypatch.setenv(name, value)
     monkeypatch.syspath_prepend(PRIMEMOE_ROOT)

@@ -91,5 +91,5 @@ EP_CASES = {
 
 @pytest.mark.parametrize("case", EP_CASES)
 def test_baseline_expert_parallel_gloo(tmp_path, monkeypatch, case):
-    prepare_spawn(monkeypatch)
+    prepare_spawn(monkeypatch, tmp_path)
     run_ep_case(tmp_path, "gloo", shape=(32, 16, 4, 2), seed=5, device="cpu", **EP_CASES[case])

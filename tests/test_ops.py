@@ -184,6 +184,8 @@ def test_expert_wgrad_counts_are_checked(engine):
         ops.expert_wgrad(e.dy_rows, e.a, e.offsets, e.counts.long())
     with pytest.raises(RuntimeError, match="expert_rows: expected a 1-D tensor"):
         ops.expert_wgrad(e.dy_rows, e.a, e.offsets, e.counts.view(1, 3))
+    with pytest.raises(RuntimeError, match="expert_rows: expected a contiguous tensor"):
+        ops.expert_wgrad(e.dy_rows, e.a, e.offsets, e.counts.repeat(2)[::2])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")

@@ -29,7 +29,7 @@ SHAPE = (256, 256, 8, 2)  # H, I, E (E_local = 4 per rank at W=2), K: sizes the 
 
 
 def run_ranks(tmp_path, monkeypatch, fn, world, *args, timeout_s=600, transport="auto"):
-    prepare_spawn(monkeypatch, PRIMEMOE_EP_TRANSPORT=transport, **MULTICAST_OFF)
+    prepare_spawn(monkeypatch, tmp_path, PRIMEMOE_EP_TRANSPORT=transport, **MULTICAST_OFF)
     spawn_ranks(fn, world, *args, str(tmp_path), timeout_s=timeout_s)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
