@@ -491,7 +491,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       // loads, straight into shared memory: one memory round trip per quarter), are overwritten in
       // place by their gradients, slot 2 takes weight * a.
       float dot[2] = {0.0f, 0.0f};
-      const float* w = row_scale;
       CUTE_UNROLL
       for (int q = 0; q < 4; ++q) {
         const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
@@ -515,12 +514,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           const float s1 = __fdividef(1.0f, 1.0f + __expf(-g.y));
           const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
           dot[half] += da0 * a.x + da1 * a.y;
-          const float dw0 = da0 * w[half];
-          const float dw1 = da1 * w[half];
+          const float dw0 = da0 * row_scale[half];
+          const float dw1 = da1 * row_scale[half];
           put_pair(slots, 0, r, c,
                    pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1))));
           put_pair(slots, 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
-          put_pair(slots, 2, r, c, pack(w[half] * a.x, w[half] * a.y));
+          put_pair(slots, 2, r, c, pack(row_scale[half] * a.x, row_scale[half] * a.y));
         }
         staging_release(wg);
         if (wtid == 0) {

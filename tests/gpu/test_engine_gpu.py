@@ -102,21 +102,18 @@ def test_backward_ops_match_cpu(counts, shape):
         assert not got[empty.cuda()].any(), f"{name}: an expert without rows must get a zero gradient"
         # With the layout's counts the k-slices of padding are skipped: the same bits, in poisoned memory,
         # even with NaN in those k-slices (proof that they are not read; the routed ones all are).
-        a_nan = skipped_slices_nan(getattr(gpu, lhs), COUNTS[counts])
-        b_nan = skipped_slices_nan(getattr(gpu, rhs), COUNTS[counts])
+        a_nan = skipped_slices_nan(getattr(gpu, lhs), cpu.offsets, COUNTS[counts])
+        b_nan = skipped_slices_nan(getattr(gpu, rhs), cpu.offsets, COUNTS[counts])
         poison_caching_allocator()
         skipping = ops.expert_wgrad(a_nan, b_nan, gpu.offsets, gpu.counts)
         assert torch.equal(skipping, got), f"{name}: differs with expert_rows"
 
 
-def skipped_slices_nan(rows, counts):
+def skipped_slices_nan(rows, offsets, counts):
     """``rows`` with NaN in each expert's padding rows past its last 64-row slice holding a routed row."""
     rows = rows.clone()
-    begin = 0
-    for c in counts:
-        padded = (c + 127) // 128 * 128
-        rows[begin + (c + 63) // 64 * 64:begin + padded] = float("nan")
-        begin += padded
+    for begin, end, c in zip(offsets[:-1].tolist(), offsets[1:].tolist(), counts):
+        rows[begin + (c + 63) // 64 * 64:end] = float("nan")
     return rows
 
 
