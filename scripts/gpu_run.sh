@@ -62,7 +62,7 @@ for step in $STEPS; do
               [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench1) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 \
              --out "$TABLES/bench" 2>&1 | tee "$OUT/bench.log" | tail -30; keep_json bench ;;
-    stages) $PY scripts/stage_times.py --out "$OUT/stages.json" 2>&1 | tee "$OUT/stages.log" ;;
+    stages) $PY scripts/stage_times.py --out "$OUT/stages.json" ${STAGES_ARGS:-} 2>&1 | tee "$OUT/stages.log" ;;
     main) $PY -m primemoe 2>&1 | tee "$OUT/main.log" ;;
     bench) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 2 \
              --out "$TABLES/bench" 2>&1 | tee "$OUT/bench.log" | tail -30; keep_json bench ;;

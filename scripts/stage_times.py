@@ -1,5 +1,6 @@
 """Per-stage GPU times of primemoe's single-GPU forward and backward (median of CUDA events),
 to show where the layer's time goes. Usage: python scripts/stage_times.py [--tokens 8192 16384]
+[--row-aligns 64 128] (each routing layout alignment's stages, interleaved with the others').
 
 The stages run round-robin (one of each per iteration), not one stage 20 times then the next:
 run in sequence, a stage timed late in a long run of heavy kernels came out slower than the
@@ -39,7 +40,18 @@ def timed_round_robin(fns, iters=20):
     return [statistics.median(t) for t in times]
 
 
-def stages(shape, tokens):
+def with_row_align(fn, row_align):
+    """fn with the layer's layout alignment (ops.ROW_ALIGN) set to row_align while it runs."""
+    def run():
+        saved, ops.ROW_ALIGN = ops.ROW_ALIGN, row_align
+        try:
+            fn()
+        finally:
+            ops.ROW_ALIGN = saved
+    return run
+
+
+def stages(shape, tokens, row_align):
     H, I, E, K = SHAPES[shape]
     gen = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
@@ -47,7 +59,7 @@ def stages(shape, tokens):
     w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
     dy = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
-    cnt, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
+    cnt, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, row_align)
     xs = lib.gather_rows(x, r2s, K, None, s2r)
     a, h = lib.fc1_swiglu(xs, w1, off, True)
     rw = ops.row_weights(w, r2s)
@@ -57,7 +69,7 @@ def stages(shape, tokens):
     rows = int(off[-1])
     flops = 2 * rows * H * I  # one H x I GEMM over the padded rows
     table = {
-        "dispatch_layout": (lambda: lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN), 0),
+        "dispatch_layout": (lambda: lib.dispatch_layout(idx, E, 0, E, row_align), 0),
         "gather_rows x": (lambda: lib.gather_rows(x, r2s, K, None, s2r), 0),
         "fc1_swiglu (gathered x)": (lambda: lib.fc1_swiglu(xs, w1, off, True), 2 * flops),
         "fc1_swiglu, h not kept": (lambda: lib.fc1_swiglu(xs, w1, off, False), 2 * flops),
@@ -72,15 +84,23 @@ def stages(shape, tokens):
         # Without the layout's counts: every padding k-slice reduced (interleaved with the above).
         "wgrad w2, no counts": (lambda: lib.expert_wgrad(dy_rows, aw, off), flops),
         "wgrad w1, no counts": (lambda: lib.expert_wgrad(dh, xs, off), 2 * flops),
-        "forward total": (lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True), 6 * tokens * K * H * I),
-        "backward total": (lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, h, True),
-                           12 * tokens * K * H * I),
+        "forward total": (with_row_align(lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True), row_align),
+                          6 * tokens * K * H * I),
+        "backward total": (with_row_align(lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, h, True),
+                                          row_align), 12 * tokens * K * H * I),
     }
+    return table, rows
+
+
+def timed_stages(shape, tokens, row_aligns):
+    tables = {ra: stages(shape, tokens, ra) for ra in row_aligns}
+    named = [(ra, name, fn, f) for ra, (table, _) in tables.items() for name, (fn, f) in table.items()]
+    medians = timed_round_robin([fn for _, _, fn, _ in named])
     out = {}
-    medians = timed_round_robin([fn for fn, _ in table.values()])
-    for (name, (_, f)), ms in zip(table.items(), medians):
-        out[name] = {"ms": round(ms, 4), "tflops": round(f / ms / 1e9, 1) if f else None}
-        print(f"{shape:16} T={tokens:6} padded rows={rows:7} {name:26} {ms:8.3f} ms"
+    for (ra, name, _, f), ms in zip(named, medians):
+        key = name if len(row_aligns) == 1 else f"{name} [row_align {ra}]"
+        out[key] = {"ms": round(ms, 4), "tflops": round(f / ms / 1e9, 1) if f else None}
+        print(f"{shape:16} T={tokens:6} padded rows={tables[ra][1]:7} {key:40} {ms:8.3f} ms"
               + (f"  {f / ms / 1e9:6.1f} TFLOP/s" if f else ""), flush=True)
     return out
 
@@ -89,9 +109,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--shapes", nargs="+", default=TARGET_SHAPES, choices=list(SHAPES))
+    p.add_argument("--row-aligns", type=int, nargs="+", default=[ops.ROW_ALIGN])
     p.add_argument("--out", help="write the table as JSON here")
     args = p.parse_args()
-    result = {f"{s}/{t}": stages(s, t) for s in args.shapes for t in args.tokens}
+    result = {f"{s}/{t}": timed_stages(s, t, args.row_aligns) for s in args.shapes for t in args.tokens}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

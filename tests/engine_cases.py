@@ -1,6 +1,6 @@
 """Operands of the expert GEMM engine's ops (fc1_swiglu, expert_gemm, fc2_dgrad_swiglu,
 expert_wgrad) in the routing layout they run on: each expert's rows padded with zero
-rows to a multiple of 128, weight 0 on padding rows, a few unused rows at the end."""
+rows to a multiple of ROW_ALIGN, weight 0 on padding rows, a few unused rows at the end."""
 
 from dataclasses import dataclass
 

@@ -126,7 +126,12 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.schedule == GemmSchedule::kRows) {
     const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
     // A gathered A operand is copied by the producer's threads, not by TMA.
-    err = a.a_row_src != nullptr ? cudaSuccess : make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
+    if (a.a_row_src == nullptr) {
+      err = make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
+      if (err == cudaSuccess) err = make_map(&params.tma_a_half, a.a, a.k, rows, 1, 64);
+    } else {
+      err = cudaSuccess;
+    }
     if (err == cudaSuccess) {
       err = a.b_k_major ? make_map(&params.tma_b, a.b, a.k, b_rows, experts, 128)
                         : make_map(&params.tma_b, a.b, b_rows, a.k, experts, 64);

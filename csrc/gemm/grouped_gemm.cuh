@@ -2,8 +2,10 @@
 // warp-specialised kernel family (a producer warpgroup feeding two wgmma consumer warpgroups)
 // whose tile scheduler walks the routing layout's device-side expert offsets.
 //
-// Row space: the expert-major rows of dispatch_layout with row_align = kGemmRowAlign,
-// so a 128-row tile never straddles two experts and padding rows are zero.
+// Row space: the expert-major rows of dispatch_layout with row_align = kGemmRowAlign (64),
+// padding rows zero. kRows walks each expert's rows in 128-row tiles; an expert's last tile
+// may have 64 rows (a half tile), so no tile straddles two experts and at most 63 padding
+// rows per expert are multiplied (a 128-row alignment multiplied ~64 on average).
 //
 //   kRows    out[r, :] = A[r, :] (K) x B[e(r)]         M = routed rows, per-expert B
 //   kExperts out[e]    = A[rows of e]^T x B[rows of e] K = routed rows, per-expert out
@@ -21,7 +23,8 @@
 
 namespace primemoe {
 
-constexpr int32_t kGemmRowAlign = 128;  // tile height; also the expert row alignment
+constexpr int32_t kGemmRowAlign = 64;   // expert row alignment: the height of a half tile
+constexpr int32_t kGemmTileM = 128;     // tile height
 constexpr int32_t kGemmTileN = 256;     // output columns per tile (two 128-column halves)
 constexpr int32_t kGemmTileK = 64;
 constexpr int kMaxDevices = 64;         // per-device caches of the host side

@@ -11,6 +11,7 @@ namespace primemoe::sm90 {
 
 struct GemmParams {
   CUtensorMap tma_a;  // kRows: rows [num_rows, k] (unset when A is gathered); kExperts: rows [num_rows, m] (M-major)
+  CUtensorMap tma_a_half;  // kRows: the same rows in 64-row boxes, for half tiles
   CUtensorMap tma_b;  // kRows: weights [E, n, k] or [E, k, n]; kExperts: rows [num_rows, n]
   CUtensorMap tma_out;   // out: kRows [num_rows, n]; kExperts [E * m, n] (kSwiGLUBackward: aw)
   CUtensorMap tma_out2;  // kSwiGLU: h, kSwiGLUBackward: dh, both [num_rows, 2n]

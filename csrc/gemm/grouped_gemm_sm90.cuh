@@ -11,7 +11,8 @@
 // runs wgmma straight from shared memory, and hands its epilogue to TMA stores through
 // swizzled shared-memory boxes (they drain while the next tile's mainloop runs).
 // Producer and consumers walk the same tile sequence, so the ring's stage/phase
-// counters stay in step without any other communication.
+// counters stay in step without any other communication. An expert's last 64 rows (a half
+// tile) are split along K between the consumers (see the consumers' comment).
 #pragma once
 
 #include <cuda.h>
@@ -146,6 +147,9 @@ __device__ __forceinline__ __nv_bfloat162 get_pair(const uint8_t* slots, int box
 
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
 
+// Both consumer warpgroups (a half tile's partial sums pass between them).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
+
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int32_t c0, int32_t c1) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
                :
@@ -175,11 +179,13 @@ struct Tile {
   int32_t n_tile;   // column tile index
   int32_t k_begin;  // first K element (kExperts: first row of the expert)
   int32_t k_tiles;
+  int32_t rows;     // kRows: 128, or 64 for an expert's last block of 64 rows (a half tile)
 };
 
 // The tile sequence, identical for producer and consumers. kRows: (row block, column
-// tile), row blocks in order, so a CTA's experts only move forward. kExperts:
-// (expert, row tile, column tile), so neighbouring CTAs share an expert's operands in L2.
+// tile), row blocks in order (each expert's rows in 128-row blocks, its last block 64 rows
+// when its padded count is an odd multiple of 64), so a CTA's experts only move forward.
+// kExperts: (expert, row tile, column tile), so neighbouring CTAs share an expert's operands in L2.
 template <GemmSchedule S, GemmEpilogue E>
 struct TileWalker {
   const GroupedGemmArgs& args;
@@ -188,6 +194,9 @@ struct TileWalker {
   int64_t total;
   int32_t routed_rows = 0;
   int32_t expert = 0;
+  int32_t expert_block = 0;  // kRows: index of the first row block of `expert`
+
+  __device__ static int32_t blocks(int32_t rows) { return (rows + kGemmTileM - 1) / kGemmTileM; }
 
   __device__ explicit TileWalker(const GroupedGemmArgs& a) : args(a) {
     n_tiles = a.n / gemm_tile_n(E);
@@ -195,11 +204,14 @@ struct TileWalker {
       // Every allocated row gets a tile: rows past the last expert are written as zeros, so no
       // output element is left undefined; unless the caller reads only the routed rows.
       m_tiles = 0;
+      int64_t row_blocks = 0;
+      for (int32_t e = 0; e < a.num_experts; ++e) row_blocks += blocks(a.expert_offsets[e + 1] - a.expert_offsets[e]);
       routed_rows = a.expert_offsets[a.num_experts];
       const int64_t rows = a.skip_unrouted_rows ? min(int64_t(routed_rows), a.num_rows) : a.num_rows;
-      total = (rows + kGemmRowAlign - 1) / kGemmRowAlign * n_tiles;
+      row_blocks += (max(rows - routed_rows, int64_t(0)) + kGemmTileM - 1) / kGemmTileM;
+      total = row_blocks * n_tiles;
     } else {
-      m_tiles = a.m / 128;
+      m_tiles = a.m / kGemmTileM;
       total = int64_t(a.num_experts) * m_tiles * n_tiles;
     }
   }
@@ -207,10 +219,19 @@ struct TileWalker {
   __device__ Tile at(int64_t t) {
     Tile tile;
     if constexpr (S == GemmSchedule::kRows) {
-      const int32_t row0 = int32_t(t / n_tiles) * kGemmRowAlign;
-      if (row0 >= routed_rows) return {args.num_experts, row0, int32_t(t % n_tiles), 0, 0};
-      while (args.expert_offsets[expert + 1] <= row0) ++expert;
-      tile = {expert, row0, int32_t(t % n_tiles), 0, args.k / kGemmTileK};
+      const int32_t block = int32_t(t / n_tiles);
+      const int32_t n_tile = int32_t(t % n_tiles);
+      while (expert < args.num_experts) {
+        const int32_t b = blocks(args.expert_offsets[expert + 1] - args.expert_offsets[expert]);
+        if (block < expert_block + b) break;
+        expert_block += b;
+        ++expert;
+      }
+      const int32_t m0 = (expert < args.num_experts ? args.expert_offsets[expert] : routed_rows) +
+                         (block - expert_block) * kGemmTileM;
+      if (expert == args.num_experts) return {expert, m0, n_tile, 0, 0, kGemmTileM};
+      const int32_t rows = min(kGemmTileM, args.expert_offsets[expert + 1] - m0);
+      tile = {expert, m0, n_tile, 0, args.k / kGemmTileK, rows};
     } else {
       const int64_t per_expert = int64_t(m_tiles) * n_tiles;
       const int32_t e = int32_t(t / per_expert);
@@ -218,7 +239,7 @@ struct TileWalker {
       const int32_t begin = args.expert_offsets[e];
       int32_t rows = args.expert_offsets[e + 1] - begin;
       if (args.expert_rows != nullptr) rows = max(min(rows, args.expert_rows[e]), 0);
-      tile = {e, (r / n_tiles) * 128, r % n_tiles, begin, (rows + kGemmTileK - 1) / kGemmTileK};
+      tile = {e, (r / n_tiles) * kGemmTileM, r % n_tiles, begin, (rows + kGemmTileK - 1) / kGemmTileK, kGemmTileM};
     }
     return tile;
   }
@@ -279,11 +300,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       // Gathered A: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i, so each warp
       // instruction moves 4 whole 128-byte row segments. The token of each (-1: padding, zeros).
+      // A half tile's 64 rows fill both halves of the A tile (see the consumers).
       int32_t token[8];
       if (GatherA && tile.k_tiles > 0) {
         CUTE_UNROLL
         for (int i = 0; i < 8; ++i) {
-          const int32_t slot = args.a_row_src[tile.m0 + ptid / 8 + 16 * i];
+          const int32_t slot = args.a_row_src[tile.m0 + (ptid / 8 + 16 * i) % tile.rows];
           token[i] = slot >= 0 ? slot / args.a_src_div : -1;
         }
       }
@@ -293,10 +315,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
         bfloat16_t* sa = smem.a + stage * kSubTileElems;
         if (ptid == 0) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, GatherA ? kStageBBytes : kStageBytes);
           if constexpr (S == GemmSchedule::kRows) {
-            if (!GatherA) load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
+            // A half tile's k-slice is read by one consumer warpgroup, from its own 64 rows of the A tile
+            // (warpgroup kt % 2, see the consumers): only those are loaded.
+            const bool half = tile.rows <= kGemmRowAlign;
+            const uint32_t a_bytes = GatherA ? 0 : half ? kBoxBytes : kStageBytes - kStageBBytes;
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBBytes + a_bytes);
+            if (!GatherA && half) tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
+            if (!GatherA && !half) load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
           } else {
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBytes);
             load_tile<false>(&p.tma_a, bar, sa, tile.m0, k0, 0);
           }
           for (int j = 0; j < 2; ++j) {
@@ -334,6 +362,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   cutlass::arch::warpgroup_reg_alloc<232>();
   const int ct = threadIdx.x - 128;
+  const int wg = ct / 128;
+  const int wtid = ct % 128;
   using MmaAtom = SM90_64x256x16_F32BF16BF16_SS<major<AKMajor>(), major<BKMajor>()>;
   auto tiled_mma = make_tiled_mma(MmaAtom{}, Layout<Shape<_2, _1, _1>>{});
   auto thr_mma = tiled_mma.get_slice(ct);
@@ -345,27 +375,37 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // (see the epilogue); values [0, 64) are the first weight half's columns, [64, 128) the second's.
   Tensor acc = partition_fragment_C(tiled_mma, Shape<_128, Int<kGemmTileN>>{});
   constexpr int kHalf = 64;
+  // A half tile (an expert's last 64 rows, kRows) is split along K: the warpgroups take alternate
+  // k-slices, each finding the tile's rows in its own half of the A tile, and warpgroup 1's partial sums
+  // join warpgroup 0's, which alone runs the epilogue. Two accumulator chains keep the tensor cores fed
+  // as in a full tile; one warpgroup alone on 64 rows measured slower, and a second accumulator shape
+  // (m64n128 per warpgroup, split along N) made ptxas serialise FC1's wgmma.
 
   // A stage goes back to the producer with one arrival per warp, once the warp's wgmma reading it
-  // are done.
-  auto release = [&](int s) {
+  // are done; `count` 2 in a half tile, whose stages only one warpgroup reads.
+  auto release = [&](int s, uint32_t count) {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.empty[s]);
+    if (threadIdx.x % 32 == 0) {
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&smem.empty[s])), "r"(count)
+                   : "memory");
+    }
   };
   const int64_t n = args.n;
-  const int wg = ct / 128;
-  const int wtid = ct % 128;
   // wgmma's accumulator fragment: value i of a thread sits at row frag_row + 8 * ((i >> 1) & 1)
   // of its warpgroup's 64 rows and column frag_col + 8 * (i >> 2) + (i & 1).
   const int frag_row = 16 * (wtid / 32) + (wtid % 32) / 4;
   const int frag_col = 2 * (wtid % 4);
   uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
   const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
-  int stage = 0;
-  uint32_t phase = 0;
+  // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
+  int ring_stage = 0;
+  uint32_t ring_phase = 0;
   for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
     const Tile tile = walker.at(t);
-    const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + 64 * wg;
+    const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
+    const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + (half ? 0 : 64 * wg);
+    // Warpgroup 1 of a half tile only multiplies: no epilogue inputs.
+    const bool epilogue = !half || wg == 0;
     // Past the routed rows the epilogue's inputs are undefined: zeros are used instead of them.
     const bool routed = tile.k_tiles > 0;
     // The routing weights of the thread's two rows (FC2, FC2 dgrad), loaded before the mainloop so that
@@ -378,9 +418,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         row_scale[h] = routed && r < args.num_rows ? args.row_weight[r] : 0.0f;
       }
     }
-    // FC2 dgrad: quarter q's gate / up pre-activations into slots 0 / 1 (64 rows x 8 chunks of 16 bytes
-    // per box, 128 threads), all in flight at once.
-    auto load_quarter = [&](int q) {
+    // FC2 dgrad: quarter q's gate / up pre-activations into box pair p (boxes 2p, 2p + 1; 64 rows x 8
+    // chunks of 16 bytes per box, 128 threads), all in flight at once.
+    auto load_quarter = [&](int q, int pair) {
       const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
 #pragma unroll 1
       for (int v = 0; v < 4; ++v) {
@@ -390,23 +430,37 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int64_t grow = int64_t(row0) + r;
         const bool real = routed && grow < args.num_rows;
         const __nv_bfloat16* src = real ? in_h + grow * 2 * n + col0 + chunk * 8 : in_h;
-        const uint32_t dst = smem_addr(slots) + swizzled(r, chunk * 8);
+        const uint32_t dst = smem_addr(slots) + 2 * pair * kBoxBytes + swizzled(r, chunk * 8);
         cp_async_16(dst, src, real ? 16 : 0);
         cp_async_16(dst + kBoxBytes, real ? src + n : in_h, real ? 16 : 0);
       }
     };
     constexpr bool kLoadsQuarters = E == GemmEpilogue::kSwiGLUBackward;
-    // The first quarter's loads overlap the mainloop: issued once the first k-slice's wgmma are (or
-    // before an empty mainloop), after the previous tile's stores have read the slots.
-    auto prefetch_first_quarter = [&] {
+    // The first two quarters' loads overlap the mainloop: issued once the first k-slice's wgmma are (or
+    // before an empty mainloop), after the previous tile's stores have read the boxes.
+    auto prefetch_first_quarters = [&] {
       staging_acquire(wg, wtid);
-      load_quarter(0);
+      load_quarter(0, 0);
+      load_quarter(1, 1);
     };
-    if (kLoadsQuarters && !routed) prefetch_first_quarter();
+    if (kLoadsQuarters && !routed) prefetch_first_quarters();
     if (tile.k_tiles == 0) clear(acc);
+    const int32_t kt_first = half ? wg : 0;
+    const int32_t kt_step = half ? 2 : 1;
+    const uint32_t arrivals = half ? 2 : 1;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
-    for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
+    int stage = ring_stage;
+    uint32_t phase = ring_phase;
+    auto advance = [&](int32_t by) {  // by <= kStages
+      stage += by;
+      if (stage >= kStages) {
+        stage -= kStages;
+        phase ^= 1;
+      }
+    };
+    advance(kt_first);
+    for (int32_t kt = kt_first; kt < tile.k_tiles; kt += kt_step) {
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], phase);
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
@@ -416,20 +470,44 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      if (kLoadsQuarters && kt == 0) prefetch_first_quarter();
+      if (kLoadsQuarters && epilogue && kt == kt_first) prefetch_first_quarters();
       // Keep one k-tile of wgmma in flight; the one before it is done, so its stage goes back.
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc);
-      if (prev_stage >= 0) release(prev_stage);
+      if (prev_stage >= 0) release(prev_stage, arrivals);
       prev_stage = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      advance(kt_step);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if (prev_stage >= 0) release(prev_stage);
+    if (prev_stage >= 0) release(prev_stage, arrivals);
+    ring_stage += tile.k_tiles % kStages;
+    ring_phase ^= (tile.k_tiles / kStages) & 1;
+    if (ring_stage >= kStages) {
+      ring_stage -= kStages;
+      ring_phase ^= 1;
+    }
+    if (half) {
+      // Warpgroup 1's partial sums (if it had a k-slice) join warpgroup 0's through its own staging boxes,
+      // as many values per thread per round as they hold; thread-major, so the accesses are conflict-free.
+      constexpr int kPerRound = Pipeline<S, E>::kBoxes * kBoxBytes / (128 * 4);
+      auto* part = reinterpret_cast<float*>(smem.staging[1]);
+      if (wg == 1) staging_acquire(1, wtid);
+      CUTE_UNROLL
+      for (int v0 = 0; v0 < size(acc); v0 += kPerRound) {
+        if (wg == 1) {
+          CUTE_UNROLL
+          for (int v = 0; v < kPerRound; ++v) part[v * 128 + wtid] = acc(v0 + v);
+        }
+        consumers_sync();
+        if (wg == 0 && tile.k_tiles > 1) {
+          CUTE_UNROLL
+          for (int v = 0; v < kPerRound; ++v) acc(v0 + v) += part[v * 128 + wtid];
+        }
+        consumers_sync();
+      }
+    }
+    if (!epilogue) continue;
 
     // Epilogue: each consumer warpgroup writes its 64 rows as 64 x 64 boxes into its staging
     // slots (128-byte swizzled, conflict-free) and one thread hands them to TMA stores, which
@@ -486,46 +564,64 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         store_commit();
       }
     } else {
-      // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
-      // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
-      // loads, straight into shared memory: one memory round trip per quarter), are overwritten in
-      // place by their gradients, slot 2 takes weight * a.
+      // acc = da (unweighted) for activation columns [n_tile * 256, +256), in 64-column quarters: box pair
+      // p takes quarter p's (then p + 2's) gate / up pre-activations (coalesced loads straight into shared
+      // memory), which their gradients overwrite in place for TMA stores; aw = weight * a goes straight
+      // from registers. Quarters 0 and 1 were loaded during the mainloop, 2 and 3 take one round trip
+      // once the first two quarters' stores have read the boxes.
+      // The thread's aw elements: its two rows from its first column on, at offsets known at compile time.
+      __nv_bfloat16* aw_row[2];
+      bool aw_in[2];
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int64_t r = int64_t(row0) + frag_row + 8 * h;
+        aw_in[h] = r < args.num_rows;
+        aw_row[h] = static_cast<__nv_bfloat16*>(args.out) + r * n + tile.n_tile * kGemmTileN + frag_col;
+      }
       float dot[2] = {0.0f, 0.0f};
       CUTE_UNROLL
-      for (int q = 0; q < 4; ++q) {
-        const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
-        if (q > 0) {
+      for (int j = 0; j < 2; ++j) {
+        if (j > 0) {
           staging_acquire(wg, wtid);
-          load_quarter(q);
+          load_quarter(2, 0);
+          load_quarter(3, 1);
         }
         cp_async_wait_all();
         wg_sync(wg);
-        // This quarter is accumulator values [32 q, +32): column groups of 8.
         CUTE_UNROLL
-        for (int i = 32 * (q % 2); i < 32 * (q % 2) + 32; i += 2) {
-          const float da0 = acc(kHalf * (q / 2) + i);
-          const float da1 = acc(kHalf * (q / 2) + i + 1);
-          const int half = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
-          const int r = frag_row + 8 * half;
-          const int c = (frag_col + 8 * (i >> 2)) % 64;
-          const float2 g = __bfloat1622float2(get_pair(slots, 0, r, c));
-          const float2 u = __bfloat1622float2(get_pair(slots, 1, r, c));
-          const float s0 = __fdividef(1.0f, 1.0f + __expf(-g.x));
-          const float s1 = __fdividef(1.0f, 1.0f + __expf(-g.y));
-          const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
-          dot[half] += da0 * a.x + da1 * a.y;
-          const float dw0 = da0 * row_scale[half];
-          const float dw1 = da1 * row_scale[half];
-          put_pair(slots, 0, r, c,
-                   pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1))));
-          put_pair(slots, 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
-          put_pair(slots, 2, r, c, pack(row_scale[half] * a.x, row_scale[half] * a.y));
+        for (int pair = 0; pair < 2; ++pair) {
+          // This quarter is accumulator values [kHalf j + 32 pair, +32): column groups of 8.
+          CUTE_UNROLL
+          for (int i = 32 * pair; i < 32 * pair + 32; i += 2) {
+            const float da0 = acc(kHalf * j + i);
+            const float da1 = acc(kHalf * j + i + 1);
+            const int h = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
+            const int r = frag_row + 8 * h;
+            const int c = (frag_col + 8 * (i >> 2)) % 64;
+            const float2 g = __bfloat1622float2(get_pair(slots, 2 * pair, r, c));
+            const float2 u = __bfloat1622float2(get_pair(slots, 2 * pair + 1, r, c));
+            const float s0 = __fdividef(1.0f, 1.0f + __expf(-g.x));
+            const float s1 = __fdividef(1.0f, 1.0f + __expf(-g.y));
+            const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
+            dot[h] += da0 * a.x + da1 * a.y;
+            const float dw0 = da0 * row_scale[h];
+            const float dw1 = da1 * row_scale[h];
+            put_pair(slots, 2 * pair, r, c,
+                     pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1))));
+            put_pair(slots, 2 * pair + 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
+            if (aw_in[h]) {
+              *reinterpret_cast<__nv_bfloat162*>(aw_row[h] + 128 * j + 64 * pair + 8 * ((i >> 2) % 8)) =
+                  pack(row_scale[h] * a.x, row_scale[h] * a.y);
+            }
+          }
         }
         staging_release(wg);
         if (wtid == 0) {
-          tma_store(&p.tma_out2, slots, col0, row0);
-          tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0);
-          tma_store(&p.tma_out, slots + 2 * kBoxBytes, col0, row0);
+          for (int pair = 0; pair < 2; ++pair) {
+            const int32_t col0 = tile.n_tile * kGemmTileN + 128 * j + 64 * pair;
+            tma_store(&p.tma_out2, slots + 2 * pair * kBoxBytes, col0, row0);
+            tma_store(&p.tma_out2, slots + (2 * pair + 1) * kBoxBytes, int32_t(n) + col0, row0);
+          }
           store_commit();
         }
       }

@@ -227,7 +227,7 @@ class Buffer:
     on at most ``max_tokens_per_rank`` tokens per rank. Collective: every rank of
     ``group`` creates it with the same arguments, and calls ``close()`` (or exits).
     ``row_align``: each local expert's received rows start at a multiple of it (padding rows
-    are zero); the expert GEMM engine needs a multiple of 128 (the default), else the
+    are zero); the expert GEMM engine needs a multiple of 64 (the default), else the
     experts run on ``torch._grouped_mm``.
     ``num_sms``: SMs the dispatch/combine kernels use (``DEFAULT_NUM_SMS``).
     Set from the peers and ``PRIMEMOE_EP_TRANSPORT`` (attributes, not arguments): ``put_peers``, some

@@ -49,7 +49,7 @@ from ._validate import check_precision
 
 lib = torch.ops.primemoe
 
-ROW_ALIGN = 128  # kGemmRowAlign of csrc/gemm/grouped_gemm.cuh
+ROW_ALIGN = 64  # kGemmRowAlign of csrc/gemm/grouped_gemm.cuh
 
 
 def _layout_rows(num_slots: int, num_local: int, row_align: int) -> int:

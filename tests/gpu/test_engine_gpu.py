@@ -59,6 +59,21 @@ def test_forward_ops_match_cpu(counts, shape):
     assert_rows_close("fc2 weighted", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu.row_weight))
 
 
+@pytest.mark.parametrize("k", [64, 192])
+def test_half_tiles_with_odd_k_slices(k):
+    """An expert's last 64 rows (a half tile) split their k-slices between the two consumer warpgroups:
+    with one k-slice the second gets none, with three it gets one. The layer's sizes give even counts."""
+    gpu = engine_operands(COUNTS["slice_edges"], k, 128, seed=7, device="cuda")
+    cpu = engine_operands(COUNTS["slice_edges"], k, 128, seed=7)
+    poison_caching_allocator()
+    a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    a_ref, h_ref = ops.fc1_swiglu(cpu.xs, cpu.w1, cpu.offsets, True)
+    assert_rows_close("fc1 h", h, h_ref)
+    assert_rows_close("fc1 a", a, a_ref)
+    o = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False, gpu.row_weight)
+    assert_rows_close("weighted", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
 @pytest.mark.parametrize("tokens", [1, 17, 4095])
