@@ -74,7 +74,6 @@ def stages(shape, tokens, row_align):
         "fc1_swiglu (gathered x)": (lambda: lib.fc1_swiglu(xs, w1, off, True), 2 * flops),
         "fc1_swiglu, h not kept": (lambda: lib.fc1_swiglu(xs, w1, off, False), 2 * flops),
         "fc1 GEMM alone (expert_gemm)": (lambda: lib.expert_gemm(xs, w1, off, False), 2 * flops),
-        "fc1_swiglu_gather": (lambda: lib.fc1_swiglu_gather(x, r2s, K, w1, off, True), 2 * flops),
         "fc2 expert_gemm": (lambda: lib.expert_gemm(a, w2, off, False, rw), flops),
         "combine_reduce": (lambda: lib.combine_reduce(o, s2r, None), 0),
         "fc2_dgrad_swiglu": (lambda: lib.fc2_dgrad_swiglu(dy_rows, w2, h, rw, off), flops),
@@ -89,6 +88,8 @@ def stages(shape, tokens, row_align):
         "backward total": (with_row_align(lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, h, True),
                                           row_align), 12 * tokens * K * H * I),
     }
+    if row_align == ops.ROW_ALIGN:  # the op's own layout only
+        table["fc1_swiglu_gather"] = (lambda: lib.fc1_swiglu_gather(x, r2s, K, w1, off, True), 2 * flops)
     return table, rows
 
 

@@ -45,14 +45,16 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 // 3 against 4 stages interleaved in one process (H200, both shapes, T = 8192 and 16384): FC2 3-4%
 // faster with 4 (its epilogue then stores in two rounds), FC1 dgrad within 1.5%, the weight
 // gradients (kExperts) up to 1.7% slower, so those keep 3 stages and one round of 4 boxes.
-// FC2 dgrad's epilogue uses 3 of its 4 boxes at once (gate, up, weighted activation): with 3 stages
-// there is room for 4 either way, and a 4th stage would not fit beside 3.
+// Every kRows variant needs an even ring depth: a half tile's warpgroups take alternate k-slices, and
+// with an odd depth a warpgroup's next stage would have last been the other's, whose fill it cannot tell
+// from its own two phases back (the parity wait passes early). FC2 dgrad (3 stages with 4 boxes before)
+// gets 4 stages and 2 boxes: it writes `aw` from registers, so one quarter needs only a gate and an up box.
 template <GemmSchedule S, GemmEpilogue E>
 struct Pipeline {
-  static constexpr bool kDeep =
-      E == GemmEpilogue::kSwiGLU || (E == GemmEpilogue::kStore && S == GemmSchedule::kRows);
+  static constexpr bool kDeep = S == GemmSchedule::kRows;
   static constexpr int kStages = kDeep ? 4 : 3;
   static constexpr int kBoxes = kDeep ? 2 : 4;
+  static_assert(S != GemmSchedule::kRows || kStages % 2 == 0, "half tiles alternate k-slices: even ring depth");
 };
 
 template <int Stages, int Boxes>
@@ -418,9 +420,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         row_scale[h] = routed && r < args.num_rows ? args.row_weight[r] : 0.0f;
       }
     }
-    // FC2 dgrad: quarter q's gate / up pre-activations into box pair p (boxes 2p, 2p + 1; 64 rows x 8
-    // chunks of 16 bytes per box, 128 threads), all in flight at once.
-    auto load_quarter = [&](int q, int pair) {
+    // FC2 dgrad: quarter q's gate / up pre-activations into boxes 0 / 1 (64 rows x 8 chunks of 16 bytes
+    // per box, 128 threads), all in flight at once.
+    auto load_quarter = [&](int q) {
       const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
 #pragma unroll 1
       for (int v = 0; v < 4; ++v) {
@@ -430,20 +432,19 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int64_t grow = int64_t(row0) + r;
         const bool real = routed && grow < args.num_rows;
         const __nv_bfloat16* src = real ? in_h + grow * 2 * n + col0 + chunk * 8 : in_h;
-        const uint32_t dst = smem_addr(slots) + 2 * pair * kBoxBytes + swizzled(r, chunk * 8);
+        const uint32_t dst = smem_addr(slots) + swizzled(r, chunk * 8);
         cp_async_16(dst, src, real ? 16 : 0);
         cp_async_16(dst + kBoxBytes, real ? src + n : in_h, real ? 16 : 0);
       }
     };
     constexpr bool kLoadsQuarters = E == GemmEpilogue::kSwiGLUBackward;
-    // The first two quarters' loads overlap the mainloop: issued once the first k-slice's wgmma are (or
+    // The first quarter's loads overlap the mainloop: issued once the first k-slice's wgmma are (or
     // before an empty mainloop), after the previous tile's stores have read the boxes.
-    auto prefetch_first_quarters = [&] {
+    auto prefetch_first_quarter = [&] {
       staging_acquire(wg, wtid);
-      load_quarter(0, 0);
-      load_quarter(1, 1);
+      load_quarter(0);
     };
-    if (kLoadsQuarters && !routed) prefetch_first_quarters();
+    if (kLoadsQuarters && !routed) prefetch_first_quarter();
     if (tile.k_tiles == 0) clear(acc);
     const int32_t kt_first = half ? wg : 0;
     const int32_t kt_step = half ? 2 : 1;
@@ -470,7 +471,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      if (kLoadsQuarters && epilogue && kt == kt_first) prefetch_first_quarters();
+      if (kLoadsQuarters && epilogue && kt == kt_first) prefetch_first_quarter();
       // Keep one k-tile of wgmma in flight; the one before it is done, so its stage goes back.
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc);
@@ -564,11 +565,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         store_commit();
       }
     } else {
-      // acc = da (unweighted) for activation columns [n_tile * 256, +256), in 64-column quarters: box pair
-      // p takes quarter p's (then p + 2's) gate / up pre-activations (coalesced loads straight into shared
-      // memory), which their gradients overwrite in place for TMA stores; aw = weight * a goes straight
-      // from registers. Quarters 0 and 1 were loaded during the mainloop, 2 and 3 take one round trip
-      // once the first two quarters' stores have read the boxes.
+      // acc = da (unweighted) for activation columns [n_tile * 256, +256), a 64-column quarter at a time:
+      // boxes 0 / 1 take the quarter's gate / up pre-activations (coalesced loads straight into shared
+      // memory, quarter 0's during the mainloop), which their gradients overwrite in place for TMA stores;
+      // aw = weight * a goes straight from registers.
       // The thread's aw elements: its two rows from its first column on, at offsets known at compile time.
       __nv_bfloat16* aw_row[2];
       bool aw_in[2];
@@ -580,48 +580,42 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       float dot[2] = {0.0f, 0.0f};
       CUTE_UNROLL
-      for (int j = 0; j < 2; ++j) {
-        if (j > 0) {
+      for (int q = 0; q < 4; ++q) {
+        const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
+        if (q > 0) {
           staging_acquire(wg, wtid);
-          load_quarter(2, 0);
-          load_quarter(3, 1);
+          load_quarter(q);
         }
         cp_async_wait_all();
         wg_sync(wg);
+        // This quarter is accumulator values [32 q, +32): column groups of 8.
         CUTE_UNROLL
-        for (int pair = 0; pair < 2; ++pair) {
-          // This quarter is accumulator values [kHalf j + 32 pair, +32): column groups of 8.
-          CUTE_UNROLL
-          for (int i = 32 * pair; i < 32 * pair + 32; i += 2) {
-            const float da0 = acc(kHalf * j + i);
-            const float da1 = acc(kHalf * j + i + 1);
-            const int h = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
-            const int r = frag_row + 8 * h;
-            const int c = (frag_col + 8 * (i >> 2)) % 64;
-            const float2 g = __bfloat1622float2(get_pair(slots, 2 * pair, r, c));
-            const float2 u = __bfloat1622float2(get_pair(slots, 2 * pair + 1, r, c));
-            const float s0 = __fdividef(1.0f, 1.0f + __expf(-g.x));
-            const float s1 = __fdividef(1.0f, 1.0f + __expf(-g.y));
-            const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
-            dot[h] += da0 * a.x + da1 * a.y;
-            const float dw0 = da0 * row_scale[h];
-            const float dw1 = da1 * row_scale[h];
-            put_pair(slots, 2 * pair, r, c,
-                     pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1))));
-            put_pair(slots, 2 * pair + 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
-            if (aw_in[h]) {
-              *reinterpret_cast<__nv_bfloat162*>(aw_row[h] + 128 * j + 64 * pair + 8 * ((i >> 2) % 8)) =
-                  pack(row_scale[h] * a.x, row_scale[h] * a.y);
-            }
+        for (int i = 32 * (q % 2); i < 32 * (q % 2) + 32; i += 2) {
+          const float da0 = acc(kHalf * (q / 2) + i);
+          const float da1 = acc(kHalf * (q / 2) + i + 1);
+          const int h = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
+          const int r = frag_row + 8 * h;
+          const int c = (frag_col + 8 * (i >> 2)) % 64;
+          const float2 g = __bfloat1622float2(get_pair(slots, 0, r, c));
+          const float2 u = __bfloat1622float2(get_pair(slots, 1, r, c));
+          const float s0 = __fdividef(1.0f, 1.0f + __expf(-g.x));
+          const float s1 = __fdividef(1.0f, 1.0f + __expf(-g.y));
+          const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
+          dot[h] += da0 * a.x + da1 * a.y;
+          const float dw0 = da0 * row_scale[h];
+          const float dw1 = da1 * row_scale[h];
+          put_pair(slots, 0, r, c,
+                   pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1))));
+          put_pair(slots, 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
+          if (aw_in[h]) {
+            *reinterpret_cast<__nv_bfloat162*>(aw_row[h] + 64 * q + 8 * ((i >> 2) % 8)) =
+                pack(row_scale[h] * a.x, row_scale[h] * a.y);
           }
         }
         staging_release(wg);
         if (wtid == 0) {
-          for (int pair = 0; pair < 2; ++pair) {
-            const int32_t col0 = tile.n_tile * kGemmTileN + 128 * j + 64 * pair;
-            tma_store(&p.tma_out2, slots + 2 * pair * kBoxBytes, col0, row0);
-            tma_store(&p.tma_out2, slots + (2 * pair + 1) * kBoxBytes, int32_t(n) + col0, row0);
-          }
+          tma_store(&p.tma_out2, slots, col0, row0);
+          tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0);
           store_commit();
         }
       }
