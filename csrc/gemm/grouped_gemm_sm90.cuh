@@ -45,16 +45,19 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 // 3 against 4 stages interleaved in one process (H200, both shapes, T = 8192 and 16384): FC2 3-4%
 // faster with 4 (its epilogue then stores in two rounds), FC1 dgrad within 1.5%, the weight
 // gradients (kExperts) up to 1.7% slower, so those keep 3 stages and one round of 4 boxes.
-// Every kRows variant needs an even ring depth: a half tile's warpgroups take alternate k-slices, and
-// with an odd depth a warpgroup's next stage would have last been the other's, whose fill it cannot tell
-// from its own two phases back (the parity wait passes early). FC2 dgrad (3 stages with 4 boxes before)
-// gets 4 stages and 2 boxes: it writes `aw` from registers, so one quarter needs only a gate and an up box.
+// FC2 dgrad's epilogue uses 3 of its 4 boxes at once (gate, up, weighted activation): with 3 stages
+// there is room for 4 either way, and a 4th stage would not fit beside 3. (4 stages with 2 boxes and
+// the weighted activation written from registers measured 13-15% slower.)
+// kSplitHalves: a half tile's warpgroups take alternate k-slices only with an even ring depth. With an
+// odd one a warpgroup's next stage would last have been the other's, whose fill it cannot tell from its
+// own two phases back (the parity wait passes early); FC2 dgrad runs half tiles as full ones instead.
 template <GemmSchedule S, GemmEpilogue E>
 struct Pipeline {
-  static constexpr bool kDeep = S == GemmSchedule::kRows;
+  static constexpr bool kDeep =
+      E == GemmEpilogue::kSwiGLU || (E == GemmEpilogue::kStore && S == GemmSchedule::kRows);
   static constexpr int kStages = kDeep ? 4 : 3;
   static constexpr int kBoxes = kDeep ? 2 : 4;
-  static_assert(S != GemmSchedule::kRows || kStages % 2 == 0, "half tiles alternate k-slices: even ring depth");
+  static constexpr bool kSplitHalves = S == GemmSchedule::kRows && kStages % 2 == 0;
 };
 
 template <int Stages, int Boxes>
@@ -320,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           if constexpr (S == GemmSchedule::kRows) {
             // A half tile's k-slice is read by one consumer warpgroup, from its own 64 rows of the A tile
             // (warpgroup kt % 2, see the consumers): only those are loaded.
-            const bool half = tile.rows <= kGemmRowAlign;
+            const bool half = Pipeline<S, E>::kSplitHalves && tile.rows <= kGemmRowAlign;
             const uint32_t a_bytes = GatherA ? 0 : half ? kBoxBytes : kStageBytes - kStageBBytes;
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBBytes + a_bytes);
             if (!GatherA && half) tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
@@ -404,8 +407,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint32_t ring_phase = 0;
   for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
     const Tile tile = walker.at(t);
+    // A half tile: split along K (kSplitHalves), else multiplied as a full tile whose second 64 rows (the
+    // next expert's, or past the layout) warpgroup 1 does not store.
     const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
-    const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + (half ? 0 : 64 * wg);
+    const bool split = Pipeline<S, E>::kSplitHalves && half;
+    const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + (split ? 0 : 64 * wg);
     // Warpgroup 1 of a half tile only multiplies: no epilogue inputs.
     const bool epilogue = !half || wg == 0;
     // Past the routed rows the epilogue's inputs are undefined: zeros are used instead of them.
@@ -446,9 +452,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     };
     if (kLoadsQuarters && !routed) prefetch_first_quarter();
     if (tile.k_tiles == 0) clear(acc);
-    const int32_t kt_first = half ? wg : 0;
-    const int32_t kt_step = half ? 2 : 1;
-    const uint32_t arrivals = half ? 2 : 1;
+    const int32_t kt_first = split ? wg : 0;
+    const int32_t kt_step = split ? 2 : 1;
+    const uint32_t arrivals = split ? 2 : 1;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
     int stage = ring_stage;
@@ -488,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       ring_stage -= kStages;
       ring_phase ^= 1;
     }
-    if (half) {
+    if (split) {
       // Warpgroup 1's partial sums (if it had a k-slice) join warpgroup 0's through its own staging boxes,
       // as many values per thread per round as they hold; thread-major, so the accesses are conflict-free.
       constexpr int kPerRound = Pipeline<S, E>::kBoxes * kBoxBytes / (128 * 4);
@@ -565,19 +571,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         store_commit();
       }
     } else {
-      // acc = da (unweighted) for activation columns [n_tile * 256, +256), a 64-column quarter at a time:
-      // boxes 0 / 1 take the quarter's gate / up pre-activations (coalesced loads straight into shared
-      // memory, quarter 0's during the mainloop), which their gradients overwrite in place for TMA stores;
-      // aw = weight * a goes straight from registers.
-      // The thread's aw elements: its two rows from its first column on, at offsets known at compile time.
-      __nv_bfloat16* aw_row[2];
-      bool aw_in[2];
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int64_t r = int64_t(row0) + frag_row + 8 * h;
-        aw_in[h] = r < args.num_rows;
-        aw_row[h] = static_cast<__nv_bfloat16*>(args.out) + r * n + tile.n_tile * kGemmTileN + frag_col;
-      }
+      // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
+      // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
+      // loads, straight into shared memory: one memory round trip per quarter), are overwritten in
+      // place by their gradients, slot 2 takes weight * a.
       float dot[2] = {0.0f, 0.0f};
       CUTE_UNROLL
       for (int q = 0; q < 4; ++q) {
@@ -593,29 +590,27 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         for (int i = 32 * (q % 2); i < 32 * (q % 2) + 32; i += 2) {
           const float da0 = acc(kHalf * (q / 2) + i);
           const float da1 = acc(kHalf * (q / 2) + i + 1);
-          const int h = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
-          const int r = frag_row + 8 * h;
+          const int half = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
+          const int r = frag_row + 8 * half;
           const int c = (frag_col + 8 * (i >> 2)) % 64;
           const float2 g = __bfloat1622float2(get_pair(slots, 0, r, c));
           const float2 u = __bfloat1622float2(get_pair(slots, 1, r, c));
           const float s0 = __fdividef(1.0f, 1.0f + __expf(-g.x));
           const float s1 = __fdividef(1.0f, 1.0f + __expf(-g.y));
           const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
-          dot[h] += da0 * a.x + da1 * a.y;
-          const float dw0 = da0 * row_scale[h];
-          const float dw1 = da1 * row_scale[h];
+          dot[half] += da0 * a.x + da1 * a.y;
+          const float dw0 = da0 * row_scale[half];
+          const float dw1 = da1 * row_scale[half];
           put_pair(slots, 0, r, c,
                    pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1))));
           put_pair(slots, 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
-          if (aw_in[h]) {
-            *reinterpret_cast<__nv_bfloat162*>(aw_row[h] + 64 * q + 8 * ((i >> 2) % 8)) =
-                pack(row_scale[h] * a.x, row_scale[h] * a.y);
-          }
+          put_pair(slots, 2, r, c, pack(row_scale[half] * a.x, row_scale[half] * a.y));
         }
         staging_release(wg);
         if (wtid == 0) {
           tma_store(&p.tma_out2, slots, col0, row0);
           tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0);
+          tma_store(&p.tma_out, slots + 2 * kBoxBytes, col0, row0);
           store_commit();
         }
       }
