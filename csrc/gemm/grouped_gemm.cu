@@ -116,6 +116,14 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
          shape_supported(S::kExperts, E::kStore, h, i, 0, device, why);             // w2 wgrad
 }
 
+// Half tiles split along K finish in about half a tile's time, so the CTAs, which take every
+// grid-th tile, drift apart and work on more experts at once. Measured on the H200 (interleaved,
+// row_align 64 against 128): a gain while an expert's weights are small (Qwen3-30B's 3-6 MB: FC2
+// -1.9..-3.2%, FC1 dgrad -1.7..-1.9%; Qwen3-235B's FC2, 12.6 MB: -0.1..-1.5%), a loss at 25 MB
+// (Qwen3-235B's FC1 +3.7% / -2.2% and FC1 dgrad +18.6% / +8.3% at T = 8192 / 16384). The likely cause
+// is L2 (50 MB) holding the weights of fewer experts than the drifting CTAs touch.
+constexpr uint64_t kSplitHalvesMaxWeightBytes = uint64_t(16) << 20;
+
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   using namespace sm90;
   GemmParams params{};
@@ -125,6 +133,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   cudaError_t err;
   if (a.schedule == GemmSchedule::kRows) {
     const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
+    params.split_half_tiles = b_rows * uint64_t(a.k) * 2 <= kSplitHalvesMaxWeightBytes;
     // A gathered A operand is copied by the producer's threads, not by TMA.
     if (a.a_row_src == nullptr) {
       err = make_map(&params.tma_a, a.a, a.k, rows, 1, 128);

@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           if constexpr (S == GemmSchedule::kRows) {
             // A half tile's k-slice is read by one consumer warpgroup, from its own 64 rows of the A tile
             // (warpgroup kt % 2, see the consumers): only those are loaded.
-            const bool half = Pipeline<S, E>::kSplitHalves && tile.rows <= kGemmRowAlign;
+            const bool half = Pipeline<S, E>::kSplitHalves && p.split_half_tiles && tile.rows <= kGemmRowAlign;
             const uint32_t a_bytes = GatherA ? 0 : half ? kBoxBytes : kStageBytes - kStageBBytes;
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBBytes + a_bytes);
             if (!GatherA && half) tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
@@ -407,10 +407,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint32_t ring_phase = 0;
   for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
     const Tile tile = walker.at(t);
-    // A half tile: split along K (kSplitHalves), else multiplied as a full tile whose second 64 rows (the
-    // next expert's, or past the layout) warpgroup 1 does not store.
+    // A half tile: split along K (kSplitHalves, and the launcher's choice), else multiplied as a full tile
+    // whose second 64 rows (the next expert's, or past the layout) warpgroup 1 does not store.
     const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
-    const bool split = Pipeline<S, E>::kSplitHalves && half;
+    const bool split = Pipeline<S, E>::kSplitHalves && p.split_half_tiles && half;
     const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + (split ? 0 : 64 * wg);
     // Warpgroup 1 of a half tile only multiplies: no epilogue inputs.
     const bool epilogue = !half || wg == 0;
