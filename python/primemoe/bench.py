@@ -412,7 +412,7 @@ class _ShapeContext:
 
     def buffer(self, precision: str = "bf16", num_sms: Optional[int] = None):
         import primemoe
-        from primemoe.buffer import (DEFAULT_NUM_SMS, ROW_ALIGN, SYMMETRIC_HEAP_MARGIN, EpConfig, ep_layout,
+        from primemoe.buffer import (DEFAULT_NUM_SMS, EP_ROW_ALIGN, SYMMETRIC_HEAP_MARGIN, EpConfig, ep_layout,
                                      ep_transport)
         num_sms = num_sms or DEFAULT_NUM_SMS
         if self._key != (precision, num_sms):
@@ -421,7 +421,7 @@ class _ShapeContext:
             # NVSHMEM sizes its heap when it starts: let that hold the run's largest workspace,
             # whichever shape comes first (a value the user set is kept).
             puts = ep_transport(os.environ) == "put"
-            largest = max(ep_layout(EpConfig(world, max(self.args.tokens), h, k, e // world, ROW_ALIGN, puts))[1]
+            largest = max(ep_layout(EpConfig(world, max(self.args.tokens), h, k, e // world, EP_ROW_ALIGN, puts))[1]
                           for h, _, e, k in map(SHAPES.get, self.args.shapes) if e % world == 0)
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(largest + SYMMETRIC_HEAP_MARGIN))
             hidden, inter, experts, top_k = SHAPES[self.shape]

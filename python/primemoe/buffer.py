@@ -32,11 +32,14 @@ import torch.distributed as dist
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from ._validate import check_precision
-from .ops import ROW_ALIGN
 
 __all__ = ["Buffer", "EpConfig", "buffer_config", "ep_layout", "ep_region", "ep_transport", "nvshmem_environment"]
 
 lib = torch.ops.primemoe
+
+# The receive layout's default alignment. The engine takes any multiple of ops.ROW_ALIGN (64, whose half
+# tiles spare padding work on one GPU); the expert-parallel suite last ran on two GPUs at 128.
+EP_ROW_ALIGN = 128
 
 # Room on the symmetric heap beyond the workspace (NVSHMEM's own symmetric objects).
 SYMMETRIC_HEAP_MARGIN = 256 << 20
@@ -227,7 +230,7 @@ class Buffer:
     on at most ``max_tokens_per_rank`` tokens per rank. Collective: every rank of
     ``group`` creates it with the same arguments, and calls ``close()`` (or exits).
     ``row_align``: each local expert's received rows start at a multiple of it (padding rows
-    are zero); the expert GEMM engine needs a multiple of 64 (the default), else the
+    are zero); the expert GEMM engine needs a multiple of 64 (the default is 128), else the
     experts run on ``torch._grouped_mm``.
     ``num_sms``: SMs the dispatch/combine kernels use (``DEFAULT_NUM_SMS``).
     Set from the peers and ``PRIMEMOE_EP_TRANSPORT`` (attributes, not arguments): ``put_peers``, some
@@ -236,7 +239,7 @@ class Buffer:
     """
 
     def __init__(self, group, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
-                 precision="bf16", row_align=ROW_ALIGN, num_sms=DEFAULT_NUM_SMS):
+                 precision="bf16", row_align=EP_ROW_ALIGN, num_sms=DEFAULT_NUM_SMS):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
         check_precision(precision)
