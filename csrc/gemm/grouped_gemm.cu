@@ -137,7 +137,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     // A gathered A operand is copied by the producer's threads, not by TMA.
     if (a.a_row_src == nullptr) {
       err = make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
-      if (err == cudaSuccess) err = make_map(&params.tma_a_half, a.a, a.k, rows, 1, 64);
+      if (err == cudaSuccess && params.split_half_tiles) err = make_map(&params.tma_a_half, a.a, a.k, rows, 1, 64);
     } else {
       err = cudaSuccess;
     }

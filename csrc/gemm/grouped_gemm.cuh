@@ -4,8 +4,9 @@
 //
 // Row space: the expert-major rows of dispatch_layout with row_align = kGemmRowAlign (64),
 // padding rows zero. kRows walks each expert's rows in 128-row tiles; an expert's last tile
-// may have 64 rows (a half tile), so no tile straddles two experts and at most 63 padding
-// rows per expert are multiplied (a 128-row alignment multiplied ~64 on average).
+// may have 64 rows (a half tile), so no tile straddles two experts. Where the kernel splits
+// half tiles (see grouped_gemm_sm90.cuh), at most 63 padding rows per expert are multiplied
+// (a 128-row alignment multiplied ~64 on average); elsewhere a half tile costs a full one.
 //
 //   kRows    out[r, :] = A[r, :] (K) x B[e(r)]         M = routed rows, per-expert B
 //   kExperts out[e]    = A[rows of e]^T x B[rows of e] K = routed rows, per-expert out

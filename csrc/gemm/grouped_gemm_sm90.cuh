@@ -12,7 +12,8 @@
 // swizzled shared-memory boxes (they drain while the next tile's mainloop runs).
 // Producer and consumers walk the same tile sequence, so the ring's stage/phase
 // counters stay in step without any other communication. An expert's last 64 rows (a half
-// tile) are split along K between the consumers (see the consumers' comment).
+// tile) are split along K between the consumers where the ring depth and the launcher allow
+// (see Pipeline and the consumers' comment), else multiplied as a full tile.
 #pragma once
 
 #include <cuda.h>
@@ -47,7 +48,7 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 // gradients (kExperts) up to 1.7% slower, so those keep 3 stages and one round of 4 boxes.
 // FC2 dgrad's epilogue uses 3 of its 4 boxes at once (gate, up, weighted activation): with 3 stages
 // there is room for 4 either way, and a 4th stage would not fit beside 3. (4 stages with 2 boxes and
-// the weighted activation written from registers measured 13-15% slower.)
+// the weighted activation written from registers measured ~13-14% slower.)
 // kSplitHalves: a half tile's warpgroups take alternate k-slices only with an even ring depth. With an
 // odd one a warpgroup's next stage would last have been the other's, whose fill it cannot tell from its
 // own two phases back (the parity wait passes early); FC2 dgrad runs half tiles as full ones instead.
@@ -387,7 +388,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // (m64n128 per warpgroup, split along N) made ptxas serialise FC1's wgmma.
 
   // A stage goes back to the producer with one arrival per warp, once the warp's wgmma reading it
-  // are done; `count` 2 in a half tile, whose stages only one warpgroup reads.
+  // are done; `count` 2 in a split half tile, whose stages only one warpgroup reads.
   auto release = [&](int s, uint32_t count) {
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
@@ -412,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
     const bool split = Pipeline<S, E>::kSplitHalves && p.split_half_tiles && half;
     const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + (split ? 0 : 64 * wg);
-    // Warpgroup 1 of a half tile only multiplies: no epilogue inputs.
+    // Warpgroup 1 of a half tile only multiplies and stores nothing.
     const bool epilogue = !half || wg == 0;
     // Past the routed rows the epilogue's inputs are undefined: zeros are used instead of them.
     const bool routed = tile.k_tiles > 0;
@@ -590,21 +591,21 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         for (int i = 32 * (q % 2); i < 32 * (q % 2) + 32; i += 2) {
           const float da0 = acc(kHalf * (q / 2) + i);
           const float da1 = acc(kHalf * (q / 2) + i + 1);
-          const int half = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
-          const int r = frag_row + 8 * half;
+          const int row_half = (i >> 1) & 1;  // a thread holds two rows, 8 apart: value mode (2 cols, 2 rows, n/8)
+          const int r = frag_row + 8 * row_half;
           const int c = (frag_col + 8 * (i >> 2)) % 64;
           const float2 g = __bfloat1622float2(get_pair(slots, 0, r, c));
           const float2 u = __bfloat1622float2(get_pair(slots, 1, r, c));
           const float s0 = __fdividef(1.0f, 1.0f + __expf(-g.x));
           const float s1 = __fdividef(1.0f, 1.0f + __expf(-g.y));
           const float2 a = __bfloat1622float2(pack(g.x * s0 * u.x, g.y * s1 * u.y));
-          dot[half] += da0 * a.x + da1 * a.y;
-          const float dw0 = da0 * row_scale[half];
-          const float dw1 = da1 * row_scale[half];
+          dot[row_half] += da0 * a.x + da1 * a.y;
+          const float dw0 = da0 * row_scale[row_half];
+          const float dw1 = da1 * row_scale[row_half];
           put_pair(slots, 0, r, c,
                    pack(dw0 * u.x * s0 * (1.0f + g.x * (1.0f - s0)), dw1 * u.y * s1 * (1.0f + g.y * (1.0f - s1))));
           put_pair(slots, 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
-          put_pair(slots, 2, r, c, pack(row_scale[half] * a.x, row_scale[half] * a.y));
+          put_pair(slots, 2, r, c, pack(row_scale[row_half] * a.x, row_scale[row_half] * a.y));
         }
         staging_release(wg);
         if (wtid == 0) {
