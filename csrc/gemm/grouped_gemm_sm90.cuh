@@ -186,6 +186,7 @@ struct Tile {
   int32_t k_begin;  // first K element (kExperts: first row of the expert)
   int32_t k_tiles;
   int32_t rows;     // kRows: 128, or 64 for an expert's last block of 64 rows (a half tile)
+  bool split;       // a half tile split along K between the consumers (see Pipeline::kSplitHalves)
 };
 
 // The tile sequence, identical for producer and consumers. kRows: (row block, column
@@ -201,10 +202,12 @@ struct TileWalker {
   int32_t routed_rows = 0;
   int32_t expert = 0;
   int32_t expert_block = 0;  // kRows: index of the first row block of `expert`
+  bool split_halves;         // the launcher's choice, where the ring depth allows it
 
   __device__ static int32_t blocks(int32_t rows) { return (rows + kGemmTileM - 1) / kGemmTileM; }
 
-  __device__ explicit TileWalker(const GroupedGemmArgs& a) : args(a) {
+  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles)
+      : args(a), split_halves(Pipeline<S, E>::kSplitHalves && split_half_tiles) {
     n_tiles = a.n / gemm_tile_n(E);
     if constexpr (S == GemmSchedule::kRows) {
       // Every allocated row gets a tile: rows past the last expert are written as zeros, so no
@@ -235,9 +238,9 @@ struct TileWalker {
       }
       const int32_t m0 = (expert < args.num_experts ? args.expert_offsets[expert] : routed_rows) +
                          (block - expert_block) * kGemmTileM;
-      if (expert == args.num_experts) return {expert, m0, n_tile, 0, 0, kGemmTileM};
+      if (expert == args.num_experts) return {expert, m0, n_tile, 0, 0, kGemmTileM, false};
       const int32_t rows = min(kGemmTileM, args.expert_offsets[expert + 1] - m0);
-      tile = {expert, m0, n_tile, 0, args.k / kGemmTileK, rows};
+      tile = {expert, m0, n_tile, 0, args.k / kGemmTileK, rows, split_halves && rows <= kGemmRowAlign};
     } else {
       const int64_t per_expert = int64_t(m_tiles) * n_tiles;
       const int32_t e = int32_t(t / per_expert);
@@ -245,7 +248,7 @@ struct TileWalker {
       const int32_t begin = args.expert_offsets[e];
       int32_t rows = args.expert_offsets[e + 1] - begin;
       if (args.expert_rows != nullptr) rows = max(min(rows, args.expert_rows[e]), 0);
-      tile = {e, (r / n_tiles) * kGemmTileM, r % n_tiles, begin, (rows + kGemmTileK - 1) / kGemmTileK, kGemmTileM};
+      tile = {e, (r / n_tiles) * kGemmTileM, r % n_tiles, begin, (rows + kGemmTileK - 1) / kGemmTileK, kGemmTileM, false};
     }
     return tile;
   }
@@ -278,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   }
   __syncthreads();
 
-  TileWalker<S, E> walker(args);
+  TileWalker<S, E> walker(args, p.split_half_tiles);
 
   if (warpgroup == 0) {
     // Exactly what the consumers take: setmaxnreg grows them only from registers the producer gave back.
@@ -324,11 +327,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           if constexpr (S == GemmSchedule::kRows) {
             // A half tile's k-slice is read by one consumer warpgroup, from its own 64 rows of the A tile
             // (warpgroup kt % 2, see the consumers): only those are loaded.
-            const bool half = Pipeline<S, E>::kSplitHalves && p.split_half_tiles && tile.rows <= kGemmRowAlign;
-            const uint32_t a_bytes = GatherA ? 0 : half ? kBoxBytes : kStageBytes - kStageBBytes;
+            const uint32_t a_bytes = GatherA ? 0 : tile.split ? kBoxBytes : kStageBytes - kStageBBytes;
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBBytes + a_bytes);
-            if (!GatherA && half) tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
-            if (!GatherA && !half) load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
+            if (!GatherA && tile.split) {
+              tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
+            }
+            if (!GatherA && !tile.split) load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
           } else {
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBytes);
             load_tile<false>(&p.tma_a, bar, sa, tile.m0, k0, 0);
@@ -411,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // A half tile: split along K (kSplitHalves, and the launcher's choice), else multiplied as a full tile
     // whose second 64 rows (the next expert's, or past the layout) warpgroup 1 does not store.
     const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
-    const bool split = Pipeline<S, E>::kSplitHalves && p.split_half_tiles && half;
+    const bool split = tile.split;
     const int32_t row0 = (S == GemmSchedule::kRows ? tile.m0 : tile.expert * args.m + tile.m0) + (split ? 0 : 64 * wg);
     // Warpgroup 1 of a half tile only multiplies and stores nothing.
     const bool epilogue = !half || wg == 0;
