@@ -179,6 +179,24 @@ __device__ __forceinline__ void staging_release(int wg) {
   wg_sync(wg);
 }
 
+// A position in the ring of stages: the stage, and the parity of its fill there.
+template <int Stages>
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ void step(int32_t by) {  // by <= Stages: the k-loops' steps
+    stage += by;
+    if (stage >= Stages) {
+      stage -= Stages;
+      phase ^= 1;
+    }
+  }
+  __device__ void advance(int32_t by) {  // any by >= 0: a whole tile's k-slices
+    phase ^= (by / Stages) & 1;
+    step(by % Stages);
+  }
+};
+
 struct Tile {
   int32_t expert;
   int32_t m0;       // kRows: first row; kExperts: first output row of the expert's block
@@ -293,8 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_b) : "memory");
     }
     const auto* tokens = static_cast<const __nv_bfloat16*>(args.a);
-    int stage = 0;
-    uint32_t phase = 0;
+    RingPos<kStages> pos;
     int32_t ready_expert = -1;
     for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
       const Tile tile = walker.at(t);
@@ -319,8 +336,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
       }
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
+        const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
-        cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], phase ^ 1);
+        cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], pos.phase ^ 1);
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
         bfloat16_t* sa = smem.a + stage * kSubTileElems;
         if (ptid == 0) {
@@ -360,10 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           }
           cp_async_arrive(bar);
         }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        pos.step(1);
       }
     }
     if constexpr (GatherA) cp_async_wait_all();
@@ -408,8 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
   const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
-  int ring_stage = 0;
-  uint32_t ring_phase = 0;
+  RingPos<kStages> ring;
   for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
     const Tile tile = walker.at(t);
     // A half tile: split along K (kSplitHalves, and the launcher's choice), else multiplied as a full tile
@@ -462,18 +476,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const uint32_t arrivals = split ? 2 : 1;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
-    int stage = ring_stage;
-    uint32_t phase = ring_phase;
-    auto advance = [&](int32_t by) {  // by <= kStages
-      stage += by;
-      if (stage >= kStages) {
-        stage -= kStages;
-        phase ^= 1;
-      }
-    };
-    advance(kt_first);
+    RingPos<kStages> pos = ring;
+    pos.step(kt_first);
     for (int32_t kt = kt_first; kt < tile.k_tiles; kt += kt_step) {
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], phase);
+      const int stage = pos.stage;
+      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       CUTE_UNROLL
@@ -488,17 +495,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       warpgroup_fence_operand(acc);
       if (prev_stage >= 0) release(prev_stage, arrivals);
       prev_stage = stage;
-      advance(kt_step);
+      pos.step(kt_step);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     if (prev_stage >= 0) release(prev_stage, arrivals);
-    ring_stage += tile.k_tiles % kStages;
-    ring_phase ^= (tile.k_tiles / kStages) & 1;
-    if (ring_stage >= kStages) {
-      ring_stage -= kStages;
-      ring_phase ^= 1;
-    }
+    ring.advance(tile.k_tiles);
     if (split) {
       // Warpgroup 1's partial sums (if it had a k-slice) join warpgroup 0's through its own staging boxes,
       // as many values per thread per round as they hold; thread-major, so the accesses are conflict-free.
