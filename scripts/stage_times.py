@@ -40,17 +40,6 @@ def timed_round_robin(fns, iters=20):
     return [statistics.median(t) for t in times]
 
 
-def with_row_align(fn, row_align):
-    """fn with the layer's layout alignment (ops.ROW_ALIGN) set to row_align while it runs."""
-    def run():
-        saved, ops.ROW_ALIGN = ops.ROW_ALIGN, row_align
-        try:
-            fn()
-        finally:
-            ops.ROW_ALIGN = saved
-    return run
-
-
 def stages(shape, tokens, row_align):
     H, I, E, K = SHAPES[shape]
     gen = torch.Generator("cuda").manual_seed(0)
@@ -83,10 +72,10 @@ def stages(shape, tokens, row_align):
         # Without the layout's counts: every padding k-slice reduced (interleaved with the above).
         "wgrad w2, no counts": (lambda: lib.expert_wgrad(dy_rows, aw, off), flops),
         "wgrad w1, no counts": (lambda: lib.expert_wgrad(dh, xs, off), 2 * flops),
-        "forward total": (with_row_align(lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True), row_align),
+        "forward total": (lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, row_align),
                           6 * tokens * K * H * I),
-        "backward total": (with_row_align(lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, h, True),
-                                          row_align), 12 * tokens * K * H * I),
+        "backward total": (lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, h, True, row_align),
+                           12 * tokens * K * H * I),
     }
     if row_align == ops.ROW_ALIGN:  # the op's own layout only
         table["fc1_swiglu_gather"] = (lambda: lib.fc1_swiglu_gather(x, r2s, K, w1, off, True), 2 * flops)

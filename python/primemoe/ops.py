@@ -245,11 +245,13 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
     return dxs, dw1, dw2, lib.slot_dot(da_unweighted, a, every_row).view(-1)
 
 
-def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine):
+def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine, row_align=ROW_ALIGN):
+    """The layer's forward; ``row_align`` (a multiple of ROW_ALIGN) sets the layout of ``fc1_out``, which the
+    backward must be given too (the ops use ROW_ALIGN)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     E, two_i, _ = w1.shape
-    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
+    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, row_align)
     if T * K == 0:
         return x.new_zeros(T, H), x.new_zeros(row_to_slot.numel() if keep_fc1 else 0, two_i)
     # Not fc1_swiglu_gather: on the H200 the separate gather + TMA loads are faster (benchmarks/RESULTS.md).
@@ -258,11 +260,11 @@ def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine):
     return lib.combine_reduce(o, slot_to_row, None), h
 
 
-def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine):
+def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine, row_align=ROW_ALIGN):
     T, H = x.shape
     K = topk_idx.shape[1]
     E = w1.shape[0]
-    counts, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
+    counts, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, row_align)
     if T * K == 0:
         return (torch.zeros_like(x), torch.zeros(T, K, dtype=torch.float32, device=x.device),
                 torch.zeros_like(w1), torch.zeros_like(w2))
