@@ -617,7 +617,14 @@ GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
   const char* why = "";
   PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
-  check_cuda(launch_grouped_gemm(g, c10::cuda::getCurrentCUDAStream()), what);
+  const GemmConfig config = choose_gemm_config(g);
+  GroupedGemmArgs args = g;
+  at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
+  if (config.dynamic_tiles) {
+    counter = at::zeros({1}, like.options().dtype(at::kInt));
+    args.tile_counter = counter.data_ptr<int32_t>();
+  }
+  check_cuda(launch_grouped_gemm(args, config, c10::cuda::getCurrentCUDAStream()), what);
 }
 
 // rows [R, K] x w[e] for each expert's rows: w is [E, N, K] (w_kn = false) or [E, K, N].

@@ -116,24 +116,40 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
          shape_supported(S::kExperts, E::kStore, h, i, 0, device, why);             // w2 wgrad
 }
 
-// Half tiles split along K finish in about half a tile's time, so the CTAs, which take every
-// grid-th tile, drift apart and work on more experts at once. Measured on the H200 (interleaved,
-// row_align 64 against 128): a gain while an expert's weights are small (Qwen3-30B's 3-6 MB: FC2
-// -1.9..-3.2%, FC1 dgrad -1.7..-1.9%; Qwen3-235B's FC2, 12.6 MB: -0.1..-1.5%), a loss at 25 MB
-// (Qwen3-235B's FC1 +3.7% / -2.2% and FC1 dgrad +18.6% / +8.3% at T = 8192 / 16384). The likely cause
-// is L2 (50 MB) holding the weights of fewer experts than the drifting CTAs touch.
-constexpr uint64_t kSplitHalvesMaxWeightBytes = uint64_t(16) << 20;
+// Half tiles split along K finish in about half a tile's time, so CTAs that take every grid-th tile
+// drift apart and work on more experts at once. While an expert's weights are small that costs nothing
+// (Qwen3-30B's 3-6 MB: split FC2 -1.9..-3.2%, FC1 dgrad -1.7..-1.9% against unsplit), but at 25 MB the
+// split lost with the static order (Qwen3-235B's FC1 +3.7%, FC1 dgrad +18.6% at T = 8192), likely
+// because L2 (50 MB) holds the weights of fewer experts than the drifting CTAs touch. Claiming tiles
+// from a counter keeps the CTAs together. Measured on the H200, interleaved, bitwise equal outputs
+// (benchmarks/RESULTS.md, eleventh session), claimed order with the split against the static order:
+// Qwen3-235B (weights 12.6 and 25 MB) -1.1..-9.0% on seven of its eight row GEMMs at T = 8192 and 16384
+// (FC1 at 16384 +0.4%); Qwen3-30B (3.1 and 6.3 MB) mixed, -2.4..+4.5%, so small weights keep the static
+// order, which needs no counter.
+constexpr uint64_t kDynamicTilesMinWeightBytes = uint64_t(8) << 20;
 
-cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
+GemmConfig choose_gemm_config(const GroupedGemmArgs& a) {
+  GemmConfig config{};
+  if (a.schedule != GemmSchedule::kRows) return config;
+  config.split_half_tiles = true;
+  const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
+  config.dynamic_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
+                         b_rows * uint64_t(a.k) * 2 > kDynamicTilesMinWeightBytes;
+  return config;
+}
+
+cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& config, cudaStream_t stream) {
   using namespace sm90;
+  if (config.dynamic_tiles && a.tile_counter == nullptr) return cudaErrorInvalidValue;
   GemmParams params{};
   params.args = a;
+  params.split_half_tiles = config.split_half_tiles;
+  params.dynamic_tiles = config.dynamic_tiles;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;
   if (a.schedule == GemmSchedule::kRows) {
     const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
-    params.split_half_tiles = b_rows * uint64_t(a.k) * 2 <= kSplitHalvesMaxWeightBytes;
     // A gathered A operand is copied by the producer's threads, not by TMA.
     if (a.a_row_src == nullptr) {
       err = make_map(&params.tma_a, a.a, a.k, rows, 1, 128);

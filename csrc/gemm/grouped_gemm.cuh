@@ -90,9 +90,26 @@ struct GroupedGemmArgs {
   void* out_dh;
   float* out_dot;
   RowsReadyHook hook;
+  // Zero at launch where GemmConfig::dynamic_tiles is set (the tile claim counter), else unused.
+  int32_t* tile_counter;
   ErrorRecord* error;
   int32_t num_sms;
 };
+
+// The host heuristics' choices for one launch (choose_gemm_config).
+struct GemmConfig {
+  bool split_half_tiles;  // kRows: a half tile's k-slices alternate between the consumer warpgroups
+  bool dynamic_tiles;     // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter, not every grid-th
+};
+
+GemmConfig choose_gemm_config(const GroupedGemmArgs& args);
+
+// The variants built with the claimed tile order. Not a gathered A: its 128 producer threads walk the
+// tiles, one claims. Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
+// spill 136 bytes there, which cost ~12% (H200, every reference shape), four times what the order gained.
+constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e, bool gather_a) {
+  return s == GemmSchedule::kRows && e != GemmEpilogue::kSwiGLUBackward && !gather_a;
+}
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).
 bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char** why);
@@ -100,6 +117,7 @@ bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char*
 // Whether the kernels cover every GEMM of an MoE layer with these sizes on this device (else *why).
 bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const char** why);
 
-cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+// cudaErrorInvalidValue when config.dynamic_tiles is set without a tile_counter.
+cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, const GemmConfig& config, cudaStream_t stream);
 
 }  // namespace primemoe

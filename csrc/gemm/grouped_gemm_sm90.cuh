@@ -68,6 +68,10 @@ struct SharedStorage {
   bfloat16_t staging[2][Boxes * 64 * 64];
   uint64_t full[Stages];
   uint64_t empty[Stages];
+  // Claimed tile order (gemm_claims_tiles): the producer passes each tile index to the consumers.
+  int64_t tile_index[2];
+  uint64_t tile_full[2];
+  uint64_t tile_empty[2];
 };
 
 template <GemmSchedule S, GemmEpilogue E>
@@ -295,11 +299,38 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], GatherA ? 129 : 1);
       cutlass::arch::ClusterBarrier::init(&smem.empty[s], 8);  // one arrival per consumer warp
     }
+    if constexpr (gemm_claims_tiles(S, E, GatherA)) {
+      for (int s = 0; s < 2; ++s) {
+        cutlass::arch::ClusterBarrier::init(&smem.tile_full[s], 1);
+        cutlass::arch::ClusterBarrier::init(&smem.tile_empty[s], 8);  // one arrival per consumer warp
+      }
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
   TileWalker<S, E> walker(args, p.split_half_tiles);
+  // Tile order: every grid-th tile (static), or claimed from a global counter as the producer gets to
+  // it (dynamic, the launcher's choice), which keeps CTAs near each other in the tile sequence when
+  // tiles differ in length. Both give the same bits: a tile's result does not depend on which CTA
+  // computes it.
+  const bool dynamic = gemm_claims_tiles(S, E, GatherA) && p.dynamic_tiles;
+  // The claimed index goes from the producer to the consumers through a two-slot ring: the n-th tile
+  // uses slot n % 2 at parity n / 2 % 2 (the index past the last tile, too, so that everyone stops).
+  auto pass_tile = [&](uint32_t n, int64_t t) {
+    const int slot = n & 1;
+    cutlass::arch::ClusterBarrier::wait(&smem.tile_empty[slot], ((n >> 1) & 1) ^ 1);
+    smem.tile_index[slot] = t;
+    cutlass::arch::ClusterBarrier::arrive(&smem.tile_full[slot]);
+  };
+  auto take_tile = [&](uint32_t n) {
+    const int slot = n & 1;
+    cutlass::arch::ClusterBarrier::wait(&smem.tile_full[slot], (n >> 1) & 1);
+    const int64_t t = smem.tile_index[slot];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.tile_empty[slot]);
+    return t;
+  };
 
   if (warpgroup == 0) {
     // Exactly what the consumers take: setmaxnreg grows them only from registers the producer gave back.
@@ -313,7 +344,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const auto* tokens = static_cast<const __nv_bfloat16*>(args.a);
     RingPos<kStages> pos;
     int32_t ready_expert = -1;
-    for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
+    uint32_t passed = 0;  // dynamic: tiles passed to the consumers
+    for (int64_t t = blockIdx.x;; t = dynamic ? int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1) : t + gridDim.x) {
+      if (dynamic) pass_tile(passed++, t);
+      if (t >= walker.total) break;
       const Tile tile = walker.at(t);
       // The rows-ready hook (expert parallelism: rows are placed by the dispatch, never gathered).
       if (S == GemmSchedule::kRows && !GatherA && args.hook.counters != nullptr && tile.k_tiles > 0 &&
@@ -424,7 +458,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
-  for (int64_t t = blockIdx.x; t < walker.total; t += gridDim.x) {
+  uint32_t taken = 0;  // dynamic: tiles taken from the handoff
+  for (int64_t t = blockIdx.x;; t += gridDim.x) {
+    if (dynamic) t = take_tile(taken++);
+    if (t >= walker.total) break;
     const Tile tile = walker.at(t);
     // A half tile: split along K (kSplitHalves, and the launcher's choice), else multiplied as a full tile
     // whose second 64 rows (the next expert's, or past the layout) warpgroup 1 does not store.

@@ -157,6 +157,28 @@ def test_cuda_graph_replay_matches_eager():
             assert torch.equal(getattr(replayed, name), getattr(eager, name)), f"{name}: graph replay ({routing}) != eager"
 
 
+# Over 8 MiB of weights per expert (FC1 and FC1 dgrad: 2 x 1536 x 2048 bf16), so those GEMMs claim their
+# tiles from a counter (grouped_gemm.cu, choose_gemm_config) zeroed on the stream.
+CLAIMING = (2048, 1536, 6, 2)
+
+
+@pytest.mark.parametrize("routing", ["skewed", "one_expert"])
+def test_claimed_tile_order_matches_reference(routing):
+    check_against_reference(primemoe.moe, make_problem(700, *CLAIMING, routing=routing, seed=30, device="cuda"))
+
+
+def test_cuda_graph_replay_matches_eager_with_claimed_tiles():
+    """Each replay must zero the claim counter again, or its GEMMs would skip tiles."""
+    routings = ["uniform", "skewed", "masked", "one_expert"]
+    replays = [make_problem(700, *CLAIMING, routing=routing, seed=seed, device="cuda")
+               for seed, routing in enumerate(routings, start=21)]
+    results = graph_replays(primemoe.moe, make_problem(700, *CLAIMING, routing="uniform", seed=20, device="cuda"),
+                            replays)
+    for routing, (replayed, eager) in zip(routings, results):
+        for name in OUTPUT_NAMES:
+            assert torch.equal(getattr(replayed, name), getattr(eager, name)), f"{name}: graph replay ({routing}) != eager"
+
+
 @pytest.mark.parametrize("tokens", [17, 4095])
 def test_torch_compile_matches_eager(tokens):
     """Default backend (inductor), fullgraph: one graph, same bits as eager."""
