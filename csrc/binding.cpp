@@ -620,7 +620,7 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
   const GemmConfig config = choose_gemm_config(g);
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
-  if (config.dynamic_tiles) {
+  if (config.claim_tiles) {
     counter = at::zeros({1}, like.options().dtype(at::kInt));
     args.tile_counter = counter.data_ptr<int32_t>();
   }

@@ -123,28 +123,28 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 // because L2 (50 MB) holds the weights of fewer experts than the drifting CTAs touch. Claiming tiles
 // from a counter keeps the CTAs together. Measured on the H200, interleaved, bitwise equal outputs
 // (benchmarks/RESULTS.md, eleventh session), claimed order with the split against the static order:
-// Qwen3-235B (weights 12.6 and 25 MB) -1.1..-9.0% on seven of its eight row GEMMs at T = 8192 and 16384
-// (FC1 at 16384 +0.4%); Qwen3-30B (3.1 and 6.3 MB) mixed, -2.4..+4.5%, so small weights keep the static
-// order, which needs no counter.
-constexpr uint64_t kDynamicTilesMinWeightBytes = uint64_t(8) << 20;
+// Qwen3-235B's FC1, FC2 and FC1 dgrad (12.6 and 25 MB weights) -1.1..-9.0% in five of six cases at
+// T = 8192 and 16384 (FC1 at 16384 +0.4%), its layer -1.3..-1.6% forward; Qwen3-30B's (3.1 and 6.3 MB)
+// mixed, -2.4..+4.6%, so small weights keep the static order, which needs no counter.
+constexpr uint64_t kClaimTilesMinWeightBytes = uint64_t(8) << 20;
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& a) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
   const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
-  config.dynamic_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
-                         b_rows * uint64_t(a.k) * 2 > kDynamicTilesMinWeightBytes;
+  config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
+                         b_rows * uint64_t(a.k) * 2 > kClaimTilesMinWeightBytes;
   return config;
 }
 
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& config, cudaStream_t stream) {
   using namespace sm90;
-  if (config.dynamic_tiles && a.tile_counter == nullptr) return cudaErrorInvalidValue;
+  if (config.claim_tiles && a.tile_counter == nullptr) return cudaErrorInvalidValue;
   GemmParams params{};
   params.args = a;
   params.split_half_tiles = config.split_half_tiles;
-  params.dynamic_tiles = config.dynamic_tiles;
+  params.claim_tiles = config.claim_tiles;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

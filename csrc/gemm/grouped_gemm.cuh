@@ -90,7 +90,7 @@ struct GroupedGemmArgs {
   void* out_dh;
   float* out_dot;
   RowsReadyHook hook;
-  // Zero at launch where GemmConfig::dynamic_tiles is set (the tile claim counter), else unused.
+  // Zero at launch where GemmConfig::claim_tiles is set (the tile claim counter), else unused.
   int32_t* tile_counter;
   ErrorRecord* error;
   int32_t num_sms;
@@ -99,7 +99,7 @@ struct GroupedGemmArgs {
 // The host heuristics' choices for one launch (choose_gemm_config).
 struct GemmConfig {
   bool split_half_tiles;  // kRows: a half tile's k-slices alternate between the consumer warpgroups
-  bool dynamic_tiles;     // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter, not every grid-th
+  bool claim_tiles;       // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter, not every grid-th
 };
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& args);
@@ -117,7 +117,7 @@ bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char*
 // Whether the kernels cover every GEMM of an MoE layer with these sizes on this device (else *why).
 bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const char** why);
 
-// cudaErrorInvalidValue when config.dynamic_tiles is set without a tile_counter.
+// cudaErrorInvalidValue when config.claim_tiles is set without a tile_counter.
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, const GemmConfig& config, cudaStream_t stream);
 
 }  // namespace primemoe

@@ -17,7 +17,7 @@ struct GemmParams {
   CUtensorMap tma_out2;  // kSwiGLU: h, kSwiGLUBackward: dh, both [num_rows, 2n]
   GroupedGemmArgs args;
   bool split_half_tiles;  // kRows: a half tile's k-slices alternate between the consumers (GemmConfig)
-  bool dynamic_tiles;     // kRows: tiles claimed from args.tile_counter (GemmConfig)
+  bool claim_tiles;       // kRows: tiles claimed from args.tile_counter (GemmConfig)
 };
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are

@@ -311,10 +311,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   TileWalker<S, E> walker(args, p.split_half_tiles);
   // Tile order: every grid-th tile (static), or claimed from a global counter as the producer gets to
-  // it (dynamic, the launcher's choice), which keeps CTAs near each other in the tile sequence when
-  // tiles differ in length. Both give the same bits: a tile's result does not depend on which CTA
+  // it (GemmConfig::claim_tiles), which keeps CTAs near each other in the tile sequence when tiles
+  // differ in length. Both give the same bits: a tile's result does not depend on which CTA
   // computes it.
-  const bool dynamic = gemm_claims_tiles(S, E, GatherA) && p.dynamic_tiles;
+  const bool claimed = gemm_claims_tiles(S, E, GatherA) && p.claim_tiles;
   // The claimed index goes from the producer to the consumers through a two-slot ring: the n-th tile
   // uses slot n % 2 at parity n / 2 % 2 (the index past the last tile, too, so that everyone stops).
   auto pass_tile = [&](uint32_t n, int64_t t) {
@@ -344,9 +344,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const auto* tokens = static_cast<const __nv_bfloat16*>(args.a);
     RingPos<kStages> pos;
     int32_t ready_expert = -1;
-    uint32_t passed = 0;  // dynamic: tiles passed to the consumers
-    for (int64_t t = blockIdx.x;; t = dynamic ? int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1) : t + gridDim.x) {
-      if (dynamic) pass_tile(passed++, t);
+    uint32_t passed = 0;  // claimed order: tiles passed to the consumers
+    for (int64_t t = blockIdx.x;; t = claimed ? int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1) : t + gridDim.x) {
+      if (claimed) pass_tile(passed++, t);
       if (t >= walker.total) break;
       const Tile tile = walker.at(t);
       // The rows-ready hook (expert parallelism: rows are placed by the dispatch, never gathered).
@@ -458,9 +458,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
-  uint32_t taken = 0;  // dynamic: tiles taken from the handoff
+  uint32_t taken = 0;  // claimed order: tiles taken from the handoff
   for (int64_t t = blockIdx.x;; t += gridDim.x) {
-    if (dynamic) t = take_tile(taken++);
+    if (claimed) t = take_tile(taken++);
     if (t >= walker.total) break;
     const Tile tile = walker.at(t);
     // A half tile: split along K (kSplitHalves, and the launcher's choice), else multiplied as a full tile
