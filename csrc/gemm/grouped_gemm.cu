@@ -125,16 +125,18 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 // (benchmarks/RESULTS.md, eleventh session), claimed order with the split against the static order:
 // Qwen3-235B's FC1, FC2 and FC1 dgrad (12.6 and 25 MB weights) -1.1..-9.0% in five of six cases at
 // T = 8192 and 16384 (FC1 at 16384 +0.4%), its layer -1.3..-1.6% forward; Qwen3-30B's (3.1 and 6.3 MB)
-// mixed, -2.4..+4.6%, so small weights keep the static order, which needs no counter.
-constexpr uint64_t kClaimTilesMinWeightBytes = uint64_t(8) << 20;
+// mixed, -2.4..+1.4%, so small weights keep the static order, which needs no counter.
+constexpr uint64_t kClaimTilesAboveWeightBytes = uint64_t(8) << 20;
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& a) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
   const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
+  // At most one tile per CTA (small batches): the order cannot matter, so no counter is zeroed.
+  const int64_t max_tiles = (a.num_rows / kGemmTileM + a.num_experts + 1) * int64_t(a.n / gemm_tile_n(a.epilogue));
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
-                         b_rows * uint64_t(a.k) * 2 > kClaimTilesMinWeightBytes;
+                       b_rows * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_tiles > a.num_sms;
   return config;
 }
 

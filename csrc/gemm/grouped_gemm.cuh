@@ -98,15 +98,18 @@ struct GroupedGemmArgs {
 
 // The host heuristics' choices for one launch (choose_gemm_config).
 struct GemmConfig {
-  bool split_half_tiles;  // kRows: a half tile's k-slices alternate between the consumer warpgroups
-  bool claim_tiles;       // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter, not every grid-th
+  // kRows: a half tile's k-slices alternate between the consumer warpgroups. Always set since the claimed
+  // order (below) removed the case where it lost; a kernel parameter still, folded when a GPU run can check it.
+  bool split_half_tiles;
+  bool claim_tiles;  // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter, not every grid-th
 };
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& args);
 
 // The variants built with the claimed tile order. Not a gathered A: its 128 producer threads walk the
 // tiles, one claims. Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
-// spill 136 bytes there, which cost ~12% (H200, every reference shape), four times what the order gained.
+// spill 136 bytes there, which cost ~12% (H200, Qwen3-30B and -235B at T = 8192 and 16384), four times
+// what the order gained.
 constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e, bool gather_a) {
   return s == GemmSchedule::kRows && e != GemmEpilogue::kSwiGLUBackward && !gather_a;
 }

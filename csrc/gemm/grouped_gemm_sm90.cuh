@@ -11,9 +11,10 @@
 // runs wgmma straight from shared memory, and hands its epilogue to TMA stores through
 // swizzled shared-memory boxes (they drain while the next tile's mainloop runs).
 // Producer and consumers walk the same tile sequence, so the ring's stage/phase
-// counters stay in step without any other communication. An expert's last 64 rows (a half
-// tile) are split along K between the consumers where the ring depth and the launcher allow
-// (see Pipeline and the consumers' comment), else multiplied as a full tile.
+// counters stay in step; in the claimed tile order (GemmConfig::claim_tiles) the producer passes
+// each tile index to the consumers, otherwise they need no other communication. An expert's last
+// 64 rows (a half tile) are split along K between the consumers where the ring depth and
+// GemmConfig allow (see Pipeline and the consumers' comment), else multiplied as a full tile.
 #pragma once
 
 #include <cuda.h>
@@ -213,7 +214,8 @@ struct Tile {
 
 // The tile sequence, identical for producer and consumers. kRows: (row block, column
 // tile), row blocks in order (each expert's rows in 128-row blocks, its last block 64 rows
-// when its padded count is an odd multiple of 64), so a CTA's experts only move forward.
+// when its padded count is an odd multiple of 64). `at` only moves its expert cursor forward:
+// each CTA must ask for increasing tile indices (both tile orders do).
 // kExperts: (expert, row tile, column tile), so neighbouring CTAs share an expert's operands in L2.
 template <GemmSchedule S, GemmEpilogue E>
 struct TileWalker {
@@ -224,7 +226,7 @@ struct TileWalker {
   int32_t routed_rows = 0;
   int32_t expert = 0;
   int32_t expert_block = 0;  // kRows: index of the first row block of `expert`
-  bool split_halves;         // the launcher's choice, where the ring depth allows it
+  bool split_halves;         // GemmConfig::split_half_tiles, where the ring depth allows it
 
   __device__ static int32_t blocks(int32_t rows) { return (rows + kGemmTileM - 1) / kGemmTileM; }
 
@@ -317,15 +319,20 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   const bool claimed = gemm_claims_tiles(S, E, GatherA) && p.claim_tiles;
   // The claimed index goes from the producer to the consumers through a two-slot ring: the n-th tile
   // uses slot n % 2 at parity n / 2 % 2 (the index past the last tile, too, so that everyone stops).
+  // CUTLASS's barrier wait and arrive carry no memory clobber: the empty asm statements keep the
+  // compiler from moving the index's store or load across them.
   auto pass_tile = [&](uint32_t n, int64_t t) {
     const int slot = n & 1;
     cutlass::arch::ClusterBarrier::wait(&smem.tile_empty[slot], ((n >> 1) & 1) ^ 1);
+    asm volatile("" ::: "memory");
     smem.tile_index[slot] = t;
+    asm volatile("" ::: "memory");
     cutlass::arch::ClusterBarrier::arrive(&smem.tile_full[slot]);
   };
   auto take_tile = [&](uint32_t n) {
     const int slot = n & 1;
     cutlass::arch::ClusterBarrier::wait(&smem.tile_full[slot], (n >> 1) & 1);
+    asm volatile("" ::: "memory");
     const int64_t t = smem.tile_index[slot];
     __syncwarp();
     if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.tile_empty[slot]);
@@ -463,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     if (claimed) t = take_tile(taken++);
     if (t >= walker.total) break;
     const Tile tile = walker.at(t);
-    // A half tile: split along K (kSplitHalves, and the launcher's choice), else multiplied as a full tile
+    // A half tile: split along K (kSplitHalves and GemmConfig), else multiplied as a full tile
     // whose second 64 rows (the next expert's, or past the layout) warpgroup 1 does not store.
     const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
     const bool split = tile.split;

@@ -168,11 +168,12 @@ def test_claimed_tile_order_matches_reference(routing):
 
 
 def test_cuda_graph_replay_matches_eager_with_claimed_tiles():
-    """Each replay must zero the claim counter again, or its GEMMs would skip tiles."""
+    """Each replay must zero the claim counter again, or its GEMMs would skip tiles. 4096 tokens: FC1's
+    ~800 tiles give each CTA several claims, so both slots of the index handoff come round again."""
     routings = ["uniform", "skewed", "masked", "one_expert"]
-    replays = [make_problem(700, *CLAIMING, routing=routing, seed=seed, device="cuda")
+    replays = [make_problem(4096, *CLAIMING, routing=routing, seed=seed, device="cuda")
                for seed, routing in enumerate(routings, start=21)]
-    results = graph_replays(primemoe.moe, make_problem(700, *CLAIMING, routing="uniform", seed=20, device="cuda"),
+    results = graph_replays(primemoe.moe, make_problem(4096, *CLAIMING, routing="uniform", seed=20, device="cuda"),
                             replays)
     for routing, (replayed, eager) in zip(routings, results):
         for name in OUTPUT_NAMES:
