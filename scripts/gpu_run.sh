@@ -11,7 +11,7 @@
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
 # smoke: one small forward+backward (stops the run if it fails or hangs); stages: per-stage times of the single-GPU layer
-# (scripts/stage_times.py; STAGES_ARGS adds its options, e.g. --row-aligns 64 128);
+# (scripts/stage_times.py; STAGES_ARGS adds its options, e.g. --row-aligns 64 128 or --tile-orders static claimed);
 # ncu / ncu235: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py) at 30B T = 16384
 # / 235B T = 8192; commprof: dispatch/combine region and kernel times on every GPU (scripts/comm_profile.py).
 set -uo pipefail

@@ -1,6 +1,7 @@
 """Per-stage GPU times of primemoe's single-GPU forward and backward (median of CUDA events),
 to show where the layer's time goes. Usage: python scripts/stage_times.py [--tokens 8192 16384]
-[--row-aligns 64 128] (each routing layout alignment's stages, interleaved with the others').
+[--row-aligns 64 128] [--tile-orders auto static claimed] (each routing layout alignment's and GEMM tile
+order's stages, interleaved with the others'; the tile order is PRIMEMOE_GEMM_TILE_ORDER, auto = unset).
 
 The stages run round-robin (one of each per iteration), not one stage 20 times then the next:
 run in sequence, a stage timed late in a long run of heavy kernels came out slower than the
@@ -8,7 +9,9 @@ same work timed early (the 235B FC1 without kept pre-activations measured 4.04 m
 2.83 with them; interleaved it is the faster of the two)."""
 
 import argparse
+import itertools
 import json
+import os
 import statistics
 
 import torch
@@ -82,13 +85,28 @@ def stages(shape, tokens, row_align):
     return table, rows
 
 
-def timed_stages(shape, tokens, row_aligns):
+def under_tile_order(fn, order):
+    def run():
+        if order == "auto":
+            os.environ.pop("PRIMEMOE_GEMM_TILE_ORDER", None)
+        else:
+            os.environ["PRIMEMOE_GEMM_TILE_ORDER"] = order
+        return fn()
+    return run
+
+
+def timed_stages(shape, tokens, row_aligns, tile_orders):
     tables = {ra: stages(shape, tokens, ra) for ra in row_aligns}
-    named = [(ra, name, fn, f) for ra, (table, _) in tables.items() for name, (fn, f) in table.items()]
-    medians = timed_round_robin([fn for _, _, fn, _ in named])
+    named = [(ra, order, name, under_tile_order(fn, order), f)
+             for ra, order in itertools.product(row_aligns, tile_orders)
+             for name, (fn, f) in tables[ra][0].items()]
+    medians = timed_round_robin([fn for _, _, _, fn, _ in named])
+    os.environ.pop("PRIMEMOE_GEMM_TILE_ORDER", None)
     out = {}
-    for (ra, name, _, f), ms in zip(named, medians):
-        key = name if len(row_aligns) == 1 else f"{name} [row_align {ra}]"
+    for (ra, order, name, _, f), ms in zip(named, medians):
+        variant = [f"row_align {ra}"] if len(row_aligns) > 1 else []
+        variant += [f"tiles {order}"] if len(tile_orders) > 1 else []
+        key = f"{name} [{', '.join(variant)}]" if variant else name
         out[key] = {"ms": round(ms, 4), "tflops": round(f / ms / 1e9, 1) if f else None}
         print(f"{shape:16} T={tokens:6} padded rows={tables[ra][1]:7} {key:40} {ms:8.3f} ms"
               + (f"  {f / ms / 1e9:6.1f} TFLOP/s" if f else ""), flush=True)
@@ -100,9 +118,11 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--shapes", nargs="+", default=TARGET_SHAPES, choices=list(SHAPES))
     p.add_argument("--row-aligns", type=int, nargs="+", default=[ops.ROW_ALIGN])
+    p.add_argument("--tile-orders", nargs="+", default=["auto"], choices=["auto", "static", "claimed"])
     p.add_argument("--out", help="write the table as JSON here")
     args = p.parse_args()
-    result = {f"{s}/{t}": timed_stages(s, t, args.row_aligns) for s in args.shapes for t in args.tokens}
+    result = {f"{s}/{t}": timed_stages(s, t, args.row_aligns, args.tile_orders)
+              for s in args.shapes for t in args.tokens}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

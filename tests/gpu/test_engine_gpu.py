@@ -76,6 +76,34 @@ def test_half_tiles_with_odd_k_slices(k):
     assert_rows_close("weighted", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
 
 
+def test_claimed_tile_order_gives_the_static_bits(monkeypatch):
+    """The claimed tile order (the producer claims tiles from a counter and hands each index to the
+    consumers) against every grid-th tile, forced both ways by PRIMEMOE_GEMM_TILE_ORDER: bitwise equal on
+    each variant built with the claim (FC1, FC2 and FC1 dgrad), with 2-4 tiles per CTA and half tiles."""
+    gpu = engine_operands([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2048, 1536, seed=12, device="cuda")
+    ops_under_test = {
+        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
+        "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
+        "fc1 dgrad": lambda: (ops.expert_gemm(gpu.h, gpu.w1, gpu.offsets, True),),
+    }
+    for name, run in ops_under_test.items():
+        results = {}
+        for order in ("static", "claimed"):
+            monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
+            poison_caching_allocator()
+            results[order] = run()
+        for got, want in zip(results["claimed"], results["static"]):
+            assert not want.isnan().any(), f"{name}: NaN (unwritten output)"
+            assert torch.equal(got, want), f"{name}: the claimed tile order changed the result"
+
+
+def test_tile_order_override_is_checked(monkeypatch):
+    gpu = engine_operands([64], 256, 256, device="cuda")
+    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", "dynamic")
+    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_TILE_ORDER: expected static or claimed"):
+        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
 @pytest.mark.parametrize("tokens", [1, 17, 4095])
