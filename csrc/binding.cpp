@@ -614,24 +614,21 @@ GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at
   return g;
 }
 
-// PRIMEMOE_GEMM_TILE_ORDER=static|claimed overrides choose_gemm_config's tile order (comparisons and the
-// bitwise test; both orders give the same bits). Read at every launch, so a process can alternate them.
-// `claimed` applies only to the variants built with it (gemm_claims_tiles).
-GemmConfig gemm_config(const GroupedGemmArgs& g) {
-  GemmConfig config = choose_gemm_config(g);
+// PRIMEMOE_GEMM_TILE_ORDER=static|claimed (unset: the heuristics' choice). Read at every launch, so a process
+// can alternate the orders.
+TileOrder tile_order_from_env() {
   const char* order = std::getenv("PRIMEMOE_GEMM_TILE_ORDER");
-  if (order == nullptr || *order == '\0') return config;
+  if (order == nullptr || *order == '\0') return TileOrder::kAuto;
   const std::string o(order);
   PRIMEMOE_CHECK(o == "static" || o == "claimed", "PRIMEMOE_GEMM_TILE_ORDER: expected static or claimed, got '", o,
                  "'");
-  config.claim_tiles = o == "claimed" && gemm_claims_tiles(g.schedule, g.epilogue, g.a_row_src != nullptr);
-  return config;
+  return o == "static" ? TileOrder::kStatic : TileOrder::kClaimed;
 }
 
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
   const char* why = "";
   PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
-  const GemmConfig config = gemm_config(g);
+  const GemmConfig config = choose_gemm_config(g, tile_order_from_env());
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {

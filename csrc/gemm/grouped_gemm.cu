@@ -47,6 +47,11 @@ cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// kRows: rows of one expert's weight operand (FC1's gate and up projections together).
+uint64_t weight_rows(const GroupedGemmArgs& a) {
+  return a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
+}
+
 // major * 10 + minor, asked once per device (every GEMM launch checks it).
 int compute_capability(int device) {
   static std::atomic<int> known[kMaxDevices];
@@ -128,15 +133,15 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 // mixed, -2.4..+1.4%, so small weights keep the static order, which needs no counter.
 constexpr uint64_t kClaimTilesAboveWeightBytes = uint64_t(8) << 20;
 
-GemmConfig choose_gemm_config(const GroupedGemmArgs& a) {
+GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
-  const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
   // At most one tile per CTA (small batches): the order cannot matter, so no counter is zeroed.
   const int64_t max_tiles = (a.num_rows / kGemmTileM + a.num_experts + 1) * int64_t(a.n / gemm_tile_n(a.epilogue));
+  const bool pays = weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_tiles > a.num_sms;
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
-                       b_rows * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_tiles > a.num_sms;
+                       (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
   return config;
 }
 
@@ -151,7 +156,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;
   if (a.schedule == GemmSchedule::kRows) {
-    const uint64_t b_rows = a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
+    const uint64_t b_rows = weight_rows(a);
     // A gathered A operand is copied by the producer's threads, not by TMA.
     if (a.a_row_src == nullptr) {
       err = make_map(&params.tma_a, a.a, a.k, rows, 1, 128);

@@ -104,7 +104,11 @@ struct GemmConfig {
   bool claim_tiles;  // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter, not every grid-th
 };
 
-GemmConfig choose_gemm_config(const GroupedGemmArgs& args);
+// kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same
+// bits). kClaimed applies only to the variants built with it (gemm_claims_tiles).
+enum class TileOrder { kAuto, kStatic, kClaimed };
+
+GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto);
 
 // The variants built with the claimed tile order. Not a gathered A: its 128 producer threads walk the
 // tiles, one claims. Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
