@@ -148,12 +148,25 @@ __device__ __forceinline__ uint32_t swizzled(int r, int c) {
   return r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) << 1));
 }
 
-__device__ __forceinline__ void put_pair(uint8_t* slots, int box, int r, int c, __nv_bfloat162 v) {
-  *reinterpret_cast<__nv_bfloat162*>(slots + box * kBoxBytes + swizzled(r, c)) = v;
+// Shared-memory accesses by 32-bit shared address: through a generic pointer (the storage's address space is
+// lost in its alignment arithmetic) they compiled to generic 64-bit stores whose addresses took two registers each.
+__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v));
 }
 
-__device__ __forceinline__ __nv_bfloat162 get_pair(const uint8_t* slots, int box, int r, int c) {
-  return *reinterpret_cast<const __nv_bfloat162*>(slots + box * kBoxBytes + swizzled(r, c));
+__device__ __forceinline__ uint32_t ld_shared(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ void put_pair(uint32_t slots, int box, int r, int c, __nv_bfloat162 v) {
+  st_shared(slots + box * kBoxBytes + swizzled(r, c), *reinterpret_cast<const uint32_t*>(&v));
+}
+
+__device__ __forceinline__ __nv_bfloat162 get_pair(uint32_t slots, int box, int r, int c) {
+  const uint32_t v = ld_shared(slots + box * kBoxBytes + swizzled(r, c));
+  return *reinterpret_cast<const __nv_bfloat162*>(&v);
 }
 
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
@@ -161,10 +174,10 @@ __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128
 // Both consumer warpgroups (a half tile's partial sums pass between them).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
 
-__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int32_t c0, int32_t c1) {
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
                :
-               : "l"(map), "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(0)
+               : "l"(map), "r"(src), "r"(c0), "r"(c1), "r"(0)
                : "memory");
 }
 
@@ -461,8 +474,58 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // of its warpgroup's 64 rows and column frag_col + 8 * (i >> 2) + (i & 1).
   const int frag_row = 16 * (wtid / 32) + (wtid % 32) / 4;
   const int frag_col = 2 * (wtid % 4);
-  uint8_t* slots = reinterpret_cast<uint8_t*>(smem.staging[wg]);
+  const uint32_t slots = smem_addr(smem.staging[wg]);
   const auto* in_h = static_cast<const __nv_bfloat16*>(args.in_h);
+  // Epilogue (every variant but FC2 dgrad's, below): the accumulator leaves in rounds of two 64 x 64 bf16
+  // boxes (one 128-column half of the warpgroup's 64 rows) written into its staging slots (128-byte
+  // swizzled, conflict-free) and handed by one thread to TMA stores, which drain while the warpgroup goes
+  // on. TMA clips rows past the tensor, and kRows tiles past the routed rows (k_tiles == 0) hold zeros.
+  // The last round is deferred: its values wait in registers as bf16 pairs and are stored during the next
+  // tile's first k-slice, behind its wgmma, so the tensor cores idle through less of the epilogue. (All
+  // rounds deferred would hold 64 registers more than the accumulator's 128, which spilled.)
+  constexpr bool kDeferred = E != GemmEpilogue::kSwiGLUBackward;
+  // kStore: round r is column half r, scaled by the row weights; kSwiGLU: rounds 0 and 1 are h's gate and
+  // up halves (when h is kept), round 2 the activation.
+  constexpr int kHeldRound = E == GemmEpilogue::kSwiGLU ? 2 : 1;
+  __nv_bfloat162 held[kHalf / 2];
+  int32_t held_row0 = 0;
+  int32_t held_n_tile = 0;
+  bool holding = false;
+  // With four boxes a warpgroup's rounds alternate between two pairs of them.
+  auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t n_tile) {
+    constexpr int r = decltype(round)::value;
+    constexpr int box0 = 2 * r % Pipeline<S, E>::kBoxes;
+    staging_acquire(wg, wtid);
+    // swizzled() taken apart, the thread's part made opaque here: else the compiler hoists all 32 store
+    // addresses out of the tile loop and holds them through the mainloop, 32 registers it does not have.
+    uint32_t at = slots + box0 * kBoxBytes + frag_row * 128 + frag_col * 2;
+    uint32_t swizzle = (frag_row & 7) << 4;
+    asm volatile("" : "+r"(at), "+r"(swizzle));
+    CUTE_UNROLL
+    for (int i = 0; i < kHalf; i += 2) {
+      const int c = 8 * (i >> 2);  // + frag_col
+      const uint32_t offset = (c / 64) * kBoxBytes + ((i >> 1) & 1) * 8 * 128 + (((c % 64 / 8) << 4) ^ swizzle);
+      const __nv_bfloat162 v = pair(i);
+      st_shared(at + offset, *reinterpret_cast<const uint32_t*>(&v));
+    }
+    staging_release(wg);
+    if (wtid == 0) {
+      for (int b = 0; b < 2; ++b) {
+        const uint32_t box = slots + (box0 + b) * kBoxBytes;
+        if constexpr (E == GemmEpilogue::kSwiGLU) {
+          // h: the gate half at column n_tile * 128, the up half n columns further; a: n_tile * 128.
+          tma_store(r == 2 ? &p.tma_out : &p.tma_out2, box, int32_t(n) * (r % 2) + n_tile * 128 + 64 * b, rows_at);
+        } else {
+          tma_store(&p.tma_out, box, n_tile * kGemmTileN + 128 * r + 64 * b, rows_at);
+        }
+      }
+      store_commit();
+    }
+  };
+  auto store_held = [&] {
+    store_round(Int<kHeldRound>{}, [&](int i) { return held[i / 2]; }, held_row0, held_n_tile);
+    holding = false;
+  };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
   uint32_t taken = 0;  // claimed order: tiles taken from the handoff
@@ -501,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int64_t grow = int64_t(row0) + r;
         const bool real = routed && grow < args.num_rows;
         const __nv_bfloat16* src = real ? in_h + grow * 2 * n + col0 + chunk * 8 : in_h;
-        const uint32_t dst = smem_addr(slots) + swizzled(r, chunk * 8);
+        const uint32_t dst = slots + swizzled(r, chunk * 8);
         cp_async_16(dst, src, real ? 16 : 0);
         cp_async_16(dst + kBoxBytes, real ? src + n : in_h, real ? 16 : 0);
       }
@@ -534,6 +597,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       warpgroup_commit_batch();
       if (kLoadsQuarters && epilogue && kt == kt_first) prefetch_first_quarter();
+      if (kDeferred && holding) store_held();
       // Keep one k-tile of wgmma in flight; the one before it is done, so its stage goes back.
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc);
@@ -545,82 +609,53 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_fence_operand(acc);
     if (prev_stage >= 0) release(prev_stage, arrivals);
     ring.advance(tile.k_tiles);
+    if (kDeferred && holding) store_held();  // this warpgroup had no k-slice in the tile
     if (split) {
       // Warpgroup 1's partial sums (if it had a k-slice) join warpgroup 0's through its own staging boxes,
       // as many values per thread per round as they hold; thread-major, so the accesses are conflict-free.
       constexpr int kPerRound = Pipeline<S, E>::kBoxes * kBoxBytes / (128 * 4);
-      auto* part = reinterpret_cast<float*>(smem.staging[1]);
+      const uint32_t part = smem_addr(smem.staging[1]) + 4 * wtid;
       if (wg == 1) staging_acquire(1, wtid);
       CUTE_UNROLL
       for (int v0 = 0; v0 < size(acc); v0 += kPerRound) {
         if (wg == 1) {
           CUTE_UNROLL
-          for (int v = 0; v < kPerRound; ++v) part[v * 128 + wtid] = acc(v0 + v);
+          for (int v = 0; v < kPerRound; ++v) st_shared(part + 512 * v, __float_as_uint(acc(v0 + v)));
         }
         consumers_sync();
         if (wg == 0 && tile.k_tiles > 1) {
           CUTE_UNROLL
-          for (int v = 0; v < kPerRound; ++v) acc(v0 + v) += part[v * 128 + wtid];
+          for (int v = 0; v < kPerRound; ++v) acc(v0 + v) += __uint_as_float(ld_shared(part + 512 * v));
         }
         consumers_sync();
       }
     }
     if (!epilogue) continue;
-
-    // Epilogue: each consumer warpgroup writes its 64 rows as 64 x 64 boxes into its staging
-    // slots (128-byte swizzled, conflict-free) and one thread hands them to TMA stores, which
-    // drain while the warpgroup fills the next boxes or runs the next tile's mainloop. TMA clips rows past
-    // the tensor, and kRows tiles past the routed rows (k_tiles == 0) hold zeros.
-    // The accumulator as bf16 through the staging boxes into `map`, kBoxes / 2 of its 128-column halves per
-    // round; half j goes to columns [col(j), col(j) + 128) of rows row0..; the thread's two rows (frag_row,
-    // frag_row + 8) are scaled by scale0 and scale1.
-    constexpr int kHalvesPerRound = Pipeline<S, E>::kBoxes / 2;
-    auto store_halves = [&](const CUtensorMap* map, auto col, float scale0, float scale1) {
-      CUTE_UNROLL
-      for (int j0 = 0; j0 < 2; j0 += kHalvesPerRound) {
-        staging_acquire(wg, wtid);
+    if constexpr (kDeferred) {
+      if constexpr (E == GemmEpilogue::kSwiGLU) {
+        // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them.
+        if (args.out_h != nullptr) {
+          store_round(Int<0>{}, [&](int i) { return pack(acc(i), acc(i + 1)); }, row0, tile.n_tile);
+          store_round(Int<1>{}, [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); }, row0, tile.n_tile);
+        }
         CUTE_UNROLL
-        for (int j = 0; j < kHalvesPerRound; ++j) {
-          CUTE_UNROLL
-          for (int i = 0; i < kHalf; i += 2) {
-            const int r = frag_row + 8 * ((i >> 1) & 1);
-            const int c = frag_col + 8 * (i >> 2);
-            const float scale = (i >> 1) & 1 ? scale1 : scale0;
-            const int v = kHalf * (j0 + j) + i;
-            put_pair(slots, 2 * j + c / 64, r, c % 64, pack(acc(v) * scale, acc(v + 1) * scale));
-          }
+        for (int i = 0; i < kHalf; i += 2) {
+          const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
+          const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
+          held[i / 2] = pack(silu(g.x) * u.x, silu(g.y) * u.y);
         }
-        staging_release(wg);
-        if (wtid == 0) {
-          for (int b = 0; b < 2 * kHalvesPerRound; ++b) {
-            tma_store(map, slots + b * kBoxBytes, col(j0 + b / 2) + 64 * (b % 2), row0);
-          }
-          store_commit();
-        }
+      } else {
+        auto scaled_pair = [&](int v) {
+          const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
+          return pack(acc(v) * scale, acc(v + 1) * scale);
+        };
+        store_round(Int<0>{}, scaled_pair, row0, tile.n_tile);
+        CUTE_UNROLL
+        for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
       }
-    };
-    if constexpr (E == GemmEpilogue::kStore) {
-      store_halves(&p.tma_out, [&](int j) { return tile.n_tile * kGemmTileN + 128 * j; }, row_scale[0],
-                   row_scale[1]);
-    } else if constexpr (E == GemmEpilogue::kSwiGLU) {
-      // The pre-activations, rounded to bf16 as kept for the backward: gate half, then up half.
-      if (args.out_h != nullptr) {
-        store_halves(&p.tma_out2, [&](int j) { return int32_t(n) * j + tile.n_tile * 128; }, 1.0f, 1.0f);
-      }
-      staging_acquire(wg, wtid);
-      CUTE_UNROLL
-      for (int i = 0; i < kHalf; i += 2) {
-        const int r = frag_row + 8 * ((i >> 1) & 1);
-        const int c = frag_col + 8 * (i >> 2);
-        const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
-        const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
-        put_pair(slots, c / 64, r, c % 64, pack(silu(g.x) * u.x, silu(g.y) * u.y));
-      }
-      staging_release(wg);
-      if (wtid == 0) {
-        for (int b = 0; b < 2; ++b) tma_store(&p.tma_out, slots + b * kBoxBytes, tile.n_tile * 128 + 64 * b, row0);
-        store_commit();
-      }
+      held_row0 = row0;
+      held_n_tile = tile.n_tile;
+      holding = true;
     } else {
       // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
       // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
@@ -675,6 +710,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
     }
   }
+  if (kDeferred && holding) store_held();
   // The staging slots must outlive the TMA stores that read them.
   if ((ct % 128) == 0) store_wait_read();
 #endif
