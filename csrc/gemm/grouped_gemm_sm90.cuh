@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 
 #include <atomic>
+#include <utility>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -480,14 +481,17 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // boxes (one 128-column half of the warpgroup's 64 rows) written into its staging slots (128-byte
   // swizzled, conflict-free) and handed by one thread to TMA stores, which drain while the warpgroup goes
   // on. TMA clips rows past the tensor, and kRows tiles past the routed rows (k_tiles == 0) hold zeros.
-  // The last round is deferred: its values wait in registers as bf16 pairs and are stored during the next
-  // tile's first k-slice, behind its wgmma, so the tensor cores idle through less of the epilogue. (All
-  // rounds deferred would hold 64 registers more than the accumulator's 128, which spilled.)
+  // The last rounds are deferred: their values wait in registers as bf16 pairs and are stored during the next
+  // tile's first k-slice, behind its wgmma, so the tensor cores idle through less of the epilogue. The weight
+  // gradients (four staging boxes, so no wait between rounds) defer both of theirs; in the row GEMMs, whose
+  // mainloop holds more, a second deferred round's 32 registers spilled.
   constexpr bool kDeferred = E != GemmEpilogue::kSwiGLUBackward;
   // kStore: round r is column half r, scaled by the row weights; kSwiGLU: rounds 0 and 1 are h's gate and
   // up halves (when h is kept), round 2 the activation.
-  constexpr int kHeldRound = E == GemmEpilogue::kSwiGLU ? 2 : 1;
-  __nv_bfloat162 held[kHalf / 2];
+  constexpr int kRounds = E == GemmEpilogue::kSwiGLU ? 3 : 2;
+  constexpr int kHeldRounds = S == GemmSchedule::kExperts ? 2 : 1;
+  constexpr int kFirstHeld = kRounds - kHeldRounds;
+  __nv_bfloat162 held[kHeldRounds * kHalf / 2];  // round kFirstHeld + d: held[32 d, +32)
   int32_t held_row0 = 0;
   int32_t held_n_tile = 0;
   bool holding = false;
@@ -523,7 +527,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
   };
   auto store_held = [&] {
-    store_round(Int<kHeldRound>{}, [&](int i) { return held[i / 2]; }, held_row0, held_n_tile);
+    [&]<int... D>(std::integer_sequence<int, D...>) {
+      (store_round(Int<kFirstHeld + D>{}, [&](int i) { return held[kHalf / 2 * D + i / 2]; }, held_row0, held_n_tile),
+       ...);
+    }(std::make_integer_sequence<int, kHeldRounds>{});
     holding = false;
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
@@ -649,9 +656,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
           return pack(acc(v) * scale, acc(v + 1) * scale);
         };
-        store_round(Int<0>{}, scaled_pair, row0, tile.n_tile);
+        if constexpr (kFirstHeld == 1) store_round(Int<0>{}, scaled_pair, row0, tile.n_tile);
         CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
+        for (int i = 0; i < kHeldRounds * kHalf; i += 2) held[i / 2] = scaled_pair(kFirstHeld * kHalf + i);
       }
       held_row0 = row0;
       held_n_tile = tile.n_tile;
