@@ -21,7 +21,6 @@
 #include <cuda_bf16.h>
 
 #include <atomic>
-#include <utility>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -184,11 +183,16 @@ __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, 
 
 __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
-__device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Until at most `Pending` of the latest store groups still read shared memory.
+template <int Pending = 0>
+__device__ __forceinline__ void store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(Pending) : "memory");
+}
 
 // Before writing the slots: the previous TMA stores have finished reading them.
+template <int Pending = 0>
 __device__ __forceinline__ void staging_acquire(int wg, int wtid) {
-  if (wtid == 0) store_wait_read();
+  if (wtid == 0) store_wait_read<Pending>();
   wg_sync(wg);
 }
 
@@ -481,25 +485,27 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // boxes (one 128-column half of the warpgroup's 64 rows) written into its staging slots (128-byte
   // swizzled, conflict-free) and handed by one thread to TMA stores, which drain while the warpgroup goes
   // on. TMA clips rows past the tensor, and kRows tiles past the routed rows (k_tiles == 0) hold zeros.
-  // The last rounds are deferred: their values wait in registers as bf16 pairs and are stored during the next
-  // tile's first k-slice, behind its wgmma, so the tensor cores idle through less of the epilogue. The weight
-  // gradients (four staging boxes, so no wait between rounds) defer both of theirs; in the row GEMMs, whose
-  // mainloop holds more, a second deferred round's 32 registers spilled.
-  constexpr bool kDeferred = E != GemmEpilogue::kSwiGLUBackward;
+  // The row GEMMs defer their last round: its values wait in registers as bf16 pairs and are stored during
+  // the next tile's first k-slice, behind its wgmma, so the tensor cores idle through less of the epilogue.
+  // (Their mainloop has room for one round's 32 registers: a second spilled.) The weight gradients, whose
+  // short tiles leave the ring less time to refill, store both rounds at once: deferring them measured 1-5%
+  // slower.
+  constexpr bool kRoundEpilogue = E != GemmEpilogue::kSwiGLUBackward;
   // kStore: round r is column half r, scaled by the row weights; kSwiGLU: rounds 0 and 1 are h's gate and
   // up halves (when h is kept), round 2 the activation.
   constexpr int kRounds = E == GemmEpilogue::kSwiGLU ? 3 : 2;
-  constexpr int kHeldRounds = S == GemmSchedule::kExperts ? 2 : 1;
-  constexpr int kFirstHeld = kRounds - kHeldRounds;
-  __nv_bfloat162 held[kHeldRounds * kHalf / 2];  // round kFirstHeld + d: held[32 d, +32)
+  constexpr bool kDeferred = kRoundEpilogue && S == GemmSchedule::kRows;
+  static_assert(E != GemmEpilogue::kSwiGLU || kDeferred, "SwiGLU's activation round is the deferred one");
+  __nv_bfloat162 held[kHalf / 2];  // the deferred round
   int32_t held_row0 = 0;
   int32_t held_n_tile = 0;
   bool holding = false;
-  // With four boxes a warpgroup's rounds alternate between two pairs of them.
+  // With four boxes a warpgroup's rounds alternate between two pairs of them, so a round waits only for the
+  // stores of the round before the last.
   auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t n_tile) {
     constexpr int r = decltype(round)::value;
     constexpr int box0 = 2 * r % Pipeline<S, E>::kBoxes;
-    staging_acquire(wg, wtid);
+    staging_acquire<Pipeline<S, E>::kBoxes / 2 - 1>(wg, wtid);
     // swizzled() taken apart, the thread's part made opaque here: else the compiler hoists all 32 store
     // addresses out of the tile loop and holds them through the mainloop, 32 registers it does not have.
     uint32_t at = slots + box0 * kBoxBytes + frag_row * 128 + frag_col * 2;
@@ -527,10 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
   };
   auto store_held = [&] {
-    [&]<int... D>(std::integer_sequence<int, D...>) {
-      (store_round(Int<kFirstHeld + D>{}, [&](int i) { return held[kHalf / 2 * D + i / 2]; }, held_row0, held_n_tile),
-       ...);
-    }(std::make_integer_sequence<int, kHeldRounds>{});
+    store_round(Int<kRounds - 1>{}, [&](int i) { return held[i / 2]; }, held_row0, held_n_tile);
     holding = false;
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
@@ -638,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
     }
     if (!epilogue) continue;
-    if constexpr (kDeferred) {
+    if constexpr (kRoundEpilogue) {
       if constexpr (E == GemmEpilogue::kSwiGLU) {
         // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them.
         if (args.out_h != nullptr) {
@@ -656,13 +659,17 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
           return pack(acc(v) * scale, acc(v + 1) * scale);
         };
-        if constexpr (kFirstHeld == 1) store_round(Int<0>{}, scaled_pair, row0, tile.n_tile);
-        CUTE_UNROLL
-        for (int i = 0; i < kHeldRounds * kHalf; i += 2) held[i / 2] = scaled_pair(kFirstHeld * kHalf + i);
+        store_round(Int<0>{}, scaled_pair, row0, tile.n_tile);
+        if constexpr (kDeferred) {
+          CUTE_UNROLL
+          for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
+        } else {
+          store_round(Int<1>{}, [&](int i) { return scaled_pair(kHalf + i); }, row0, tile.n_tile);
+        }
       }
       held_row0 = row0;
       held_n_tile = tile.n_tile;
-      holding = true;
+      holding = kDeferred;
     } else {
       // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
       // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
