@@ -9,7 +9,8 @@
 // FLOP) whose column halves are the tile's two 128-row weight loads (for FC1 the gate and
 // the up projection of the same activation columns, so SwiGLU needs no shuffle),
 // runs wgmma straight from shared memory, and hands its epilogue to TMA stores through
-// swizzled shared-memory boxes (they drain while the next tile's mainloop runs).
+// swizzled shared-memory boxes (they drain while the next tile's mainloop runs; its last round of boxes is
+// written during the next tile's first k-slice).
 // Producer and consumers walk the same tile sequence, so the ring's stage/phase
 // counters stay in step; in the claimed tile order (GemmConfig::claim_tiles) the producer passes
 // each tile index to the consumers, otherwise they need no other communication. An expert's last
@@ -485,17 +486,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // boxes (one 128-column half of the warpgroup's 64 rows) written into its staging slots (128-byte
   // swizzled, conflict-free) and handed by one thread to TMA stores, which drain while the warpgroup goes
   // on. TMA clips rows past the tensor, and kRows tiles past the routed rows (k_tiles == 0) hold zeros.
-  // The row GEMMs defer their last round: its values wait in registers as bf16 pairs and are stored during
-  // the next tile's first k-slice, behind its wgmma, so the tensor cores idle through less of the epilogue.
-  // (Their mainloop has room for one round's 32 registers: a second spilled.) The weight gradients, whose
-  // short tiles leave the ring less time to refill, store both rounds at once: deferring them measured 1-5%
-  // slower.
-  constexpr bool kRoundEpilogue = E != GemmEpilogue::kSwiGLUBackward;
+  // The last round is deferred: its values wait in registers as bf16 pairs and are stored during the next
+  // tile's first k-slice, behind its wgmma, so the tensor cores idle through less of the epilogue. (All
+  // rounds deferred held 64 registers beside the accumulator's 128: the row GEMMs spilled, and the weight
+  // gradients, which do not, measured 1-5% slower.)
+  constexpr bool kDeferred = E != GemmEpilogue::kSwiGLUBackward;
   // kStore: round r is column half r, scaled by the row weights; kSwiGLU: rounds 0 and 1 are h's gate and
   // up halves (when h is kept), round 2 the activation.
   constexpr int kRounds = E == GemmEpilogue::kSwiGLU ? 3 : 2;
-  constexpr bool kDeferred = kRoundEpilogue && S == GemmSchedule::kRows;
-  static_assert(E != GemmEpilogue::kSwiGLU || kDeferred, "SwiGLU's activation round is the deferred one");
   __nv_bfloat162 held[kHalf / 2];  // the deferred round
   int32_t held_row0 = 0;
   int32_t held_n_tile = 0;
@@ -641,7 +639,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
     }
     if (!epilogue) continue;
-    if constexpr (kRoundEpilogue) {
+    if constexpr (kDeferred) {
       if constexpr (E == GemmEpilogue::kSwiGLU) {
         // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them.
         if (args.out_h != nullptr) {
@@ -660,16 +658,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           return pack(acc(v) * scale, acc(v + 1) * scale);
         };
         store_round(Int<0>{}, scaled_pair, row0, tile.n_tile);
-        if constexpr (kDeferred) {
-          CUTE_UNROLL
-          for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
-        } else {
-          store_round(Int<1>{}, [&](int i) { return scaled_pair(kHalf + i); }, row0, tile.n_tile);
-        }
+        CUTE_UNROLL
+        for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
       }
       held_row0 = row0;
       held_n_tile = tile.n_tile;
-      holding = kDeferred;
+      holding = true;
     } else {
       // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
       // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
