@@ -47,7 +47,8 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 // to 1.30 ms with 4 stages, 2 boxes and the fast SiLU division together. The plain-store variants,
 // 3 against 4 stages interleaved in one process (H200, both shapes, T = 8192 and 16384): FC2 3-4%
 // faster with 4 (its epilogue then stores in two rounds), FC1 dgrad within 1.5%, the weight
-// gradients (kExperts) up to 1.7% slower, so those keep 3 stages and one round of 4 boxes.
+// gradients (kExperts) up to 1.7% slower. Since the second round is deferred (see the consumers), the
+// weight gradients run 0-3% faster with 4 stages than with 3 and one round of 4 boxes (same shapes).
 // FC2 dgrad's epilogue uses 3 of its 4 boxes at once (gate, up, weighted activation): with 3 stages
 // there is room for 4 either way, and a 4th stage would not fit beside 3. (4 stages with 2 boxes and
 // the weighted activation written from registers measured ~13-14% slower.)
@@ -56,8 +57,7 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 // own two phases back (the parity wait passes early); FC2 dgrad runs half tiles as full ones instead.
 template <GemmSchedule S, GemmEpilogue E>
 struct Pipeline {
-  static constexpr bool kDeep =
-      E == GemmEpilogue::kSwiGLU || (E == GemmEpilogue::kStore && S == GemmSchedule::kRows);
+  static constexpr bool kDeep = E != GemmEpilogue::kSwiGLUBackward;
   static constexpr int kStages = kDeep ? 4 : 3;
   static constexpr int kBoxes = kDeep ? 2 : 4;
   static constexpr bool kSplitHalves = S == GemmSchedule::kRows && kStages % 2 == 0;
