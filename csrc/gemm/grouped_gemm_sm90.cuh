@@ -48,7 +48,8 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 // 3 against 4 stages interleaved in one process (H200, both shapes, T = 8192 and 16384): FC2 3-4%
 // faster with 4 (its epilogue then stores in two rounds), FC1 dgrad within 1.5%, the weight
 // gradients (kExperts) up to 1.7% slower. Since the second round is deferred (see the consumers), the
-// weight gradients run 0-3% faster with 4 stages than with 3 and one round of 4 boxes (same shapes).
+// weight gradients run faster with 4 stages than with 3 and one round of 4 boxes (7 of 8 GEMM medians,
+// by up to 3.4%; same shapes).
 // FC2 dgrad's epilogue uses 3 of its 4 boxes at once (gate, up, weighted activation): with 3 stages
 // there is room for 4 either way, and a 4th stage would not fit beside 3. (4 stages with 2 boxes and
 // the weighted activation written from registers measured ~13-14% slower.)
