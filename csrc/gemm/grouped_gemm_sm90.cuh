@@ -9,8 +9,8 @@
 // FLOP) whose column halves are the tile's two 128-row weight loads (for FC1 the gate and
 // the up projection of the same activation columns, so SwiGLU needs no shuffle),
 // runs wgmma straight from shared memory, and hands its epilogue to TMA stores through
-// swizzled shared-memory boxes (they drain while the next tile's mainloop runs; its last round of boxes is
-// written during the next tile's first k-slice).
+// swizzled shared-memory boxes (they drain while the next tile's mainloop runs; but for FC2 dgrad's, a
+// tile's last round of boxes is written during the next tile's first k-slice).
 // Producer and consumers walk the same tile sequence, so the ring's stage/phase
 // counters stay in step; in the claimed tile order (GemmConfig::claim_tiles) the producer passes
 // each tile index to the consumers, otherwise they need no other communication. An expert's last
@@ -152,6 +152,8 @@ __device__ __forceinline__ uint32_t swizzled(int r, int c) {
 
 // Shared-memory accesses by 32-bit shared address: through a generic pointer (the storage's address space is
 // lost in its alignment arithmetic) they compiled to generic 64-bit stores whose addresses took two registers each.
+// No memory clobber: the staging boxes are touched only by volatile asm (these, cp.async, TMA, the fences and
+// barriers), which the compiler keeps in order; a plain C++ access to them would need one.
 __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v));
 }
@@ -185,16 +187,11 @@ __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, 
 
 __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
-// Until at most `Pending` of the latest store groups still read shared memory.
-template <int Pending = 0>
-__device__ __forceinline__ void store_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(Pending) : "memory");
-}
+__device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
 // Before writing the slots: the previous TMA stores have finished reading them.
-template <int Pending = 0>
 __device__ __forceinline__ void staging_acquire(int wg, int wtid) {
-  if (wtid == 0) store_wait_read<Pending>();
+  if (wtid == 0) store_wait_read();
   wg_sync(wg);
 }
 
@@ -491,7 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // tile's first k-slice, behind its wgmma, so the tensor cores idle through less of the epilogue. (All
   // rounds deferred held 64 registers beside the accumulator's 128: the row GEMMs spilled, and the weight
   // gradients, which do not, measured 1-5% slower.)
-  constexpr bool kDeferred = E != GemmEpilogue::kSwiGLUBackward;
+  constexpr bool kDeferred = Pipeline<S, E>::kDeep;
+  static_assert(!kDeferred || Pipeline<S, E>::kBoxes == 2, "every round refills the same two boxes");
   // kStore: round r is column half r, scaled by the row weights; kSwiGLU: rounds 0 and 1 are h's gate and
   // up halves (when h is kept), round 2 the activation.
   constexpr int kRounds = E == GemmEpilogue::kSwiGLU ? 3 : 2;
@@ -499,15 +497,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   int32_t held_row0 = 0;
   int32_t held_n_tile = 0;
   bool holding = false;
-  // With four boxes a warpgroup's rounds alternate between two pairs of them, so a round waits only for the
-  // stores of the round before the last.
   auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t n_tile) {
     constexpr int r = decltype(round)::value;
-    constexpr int box0 = 2 * r % Pipeline<S, E>::kBoxes;
-    staging_acquire<Pipeline<S, E>::kBoxes / 2 - 1>(wg, wtid);
+    staging_acquire(wg, wtid);
     // swizzled() taken apart, the thread's part made opaque here: else the compiler hoists all 32 store
     // addresses out of the tile loop and holds them through the mainloop, 32 registers it does not have.
-    uint32_t at = slots + box0 * kBoxBytes + frag_row * 128 + frag_col * 2;
+    uint32_t at = slots + frag_row * 128 + frag_col * 2;
     uint32_t swizzle = (frag_row & 7) << 4;
     asm volatile("" : "+r"(at), "+r"(swizzle));
     CUTE_UNROLL
@@ -520,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     staging_release(wg);
     if (wtid == 0) {
       for (int b = 0; b < 2; ++b) {
-        const uint32_t box = slots + (box0 + b) * kBoxBytes;
+        const uint32_t box = slots + b * kBoxBytes;
         if constexpr (E == GemmEpilogue::kSwiGLU) {
           // h: the gate half at column n_tile * 128, the up half n columns further; a: n_tile * 128.
           tma_store(r == 2 ? &p.tma_out : &p.tma_out2, box, int32_t(n) * (r % 2) + n_tile * 128 + 64 * b, rows_at);
