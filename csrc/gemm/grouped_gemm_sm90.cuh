@@ -146,9 +146,35 @@ __device__ __forceinline__ void load_tile(const CUtensorMap* map, uint64_t* bar,
 // and so does the gathered A.
 constexpr int kBoxBytes = 64 * 64 * 2;
 
-__device__ __forceinline__ uint32_t swizzled(int r, int c) {
+CUTE_HOST_DEVICE constexpr uint32_t swizzled(int r, int c) {
   return r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) << 1));
 }
+
+// The epilogue rounds' staging offsets, swizzled() taken apart: a consumer thread's value pair i of a 128-column
+// half sits at its base (frag_row * 128 + frag_col * 2, see the consumers) plus pair_offset(i, (frag_row & 7)
+// << 4), in box i / 32 of the round's two. Apart, the thread's part can be kept opaque (see store_round).
+CUTE_HOST_DEVICE constexpr uint32_t pair_offset(int i, uint32_t swizzle) {
+  const int chunk = (i >> 2) % 8;
+  return (i >> 5) * kBoxBytes + ((i >> 1) & 1) * 8 * 128 + ((chunk << 4) ^ swizzle);
+}
+
+// Every consumer thread (frag_row = 16 w + l / 4, frag_col = 2 (l % 4)) and pair: the same address both ways.
+constexpr bool pair_offsets_match_swizzled() {
+  for (int frag_row = 0; frag_row < 64; frag_row += frag_row % 16 == 7 ? 9 : 1) {
+    for (int frag_col = 0; frag_col < 8; frag_col += 2) {
+      for (int i = 0; i < 64; i += 2) {
+        const int r = frag_row + 8 * ((i >> 1) & 1);
+        const int c = frag_col + 8 * (i >> 2);
+        if ((c / 64) * kBoxBytes + swizzled(r, c % 64) !=
+            frag_row * 128 + frag_col * 2 + pair_offset(i, uint32_t(frag_row & 7) << 4)) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+static_assert(pair_offsets_match_swizzled(), "pair_offset must be swizzled() taken apart");
 
 // Shared-memory accesses by 32-bit shared address: through a generic pointer (the storage's address space is
 // lost in its alignment arithmetic) they compiled to generic 64-bit stores whose addresses took two registers each.
@@ -500,17 +526,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t n_tile) {
     constexpr int r = decltype(round)::value;
     staging_acquire(wg, wtid);
-    // swizzled() taken apart, the thread's part made opaque here: else the compiler hoists all 32 store
-    // addresses out of the tile loop and holds them through the mainloop, 32 registers it does not have.
+    // The thread's part of the address made opaque here: else the compiler hoists all 32 store addresses out
+    // of the tile loop and holds them through the mainloop, 32 registers it does not have.
     uint32_t at = slots + frag_row * 128 + frag_col * 2;
     uint32_t swizzle = (frag_row & 7) << 4;
     asm volatile("" : "+r"(at), "+r"(swizzle));
     CUTE_UNROLL
     for (int i = 0; i < kHalf; i += 2) {
-      const int c = 8 * (i >> 2);  // + frag_col
-      const uint32_t offset = (c / 64) * kBoxBytes + ((i >> 1) & 1) * 8 * 128 + (((c % 64 / 8) << 4) ^ swizzle);
       const __nv_bfloat162 v = pair(i);
-      st_shared(at + offset, *reinterpret_cast<const uint32_t*>(&v));
+      st_shared(at + pair_offset(i, swizzle), *reinterpret_cast<const uint32_t*>(&v));
     }
     staging_release(wg);
     if (wtid == 0) {
