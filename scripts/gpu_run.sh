@@ -6,7 +6,7 @@
 # only a few files, and those should be the logs and JSONs. REUSE_BUILD=1 skips the build when
 # an earlier call on the same (still warm) machine built these sources.
 # PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
-#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|ncu235|comm|commprof|sanitize|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|ncu235|comm|commprof|sanitize|probe|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
@@ -78,10 +78,15 @@ for step in $STEPS; do
            $PY scripts/ncu_engine.py $shape_args > "$OUT/$step.log" 2>&1
          grep -E "grouped_gemm_kernel|Duration|Throughput|Hit Rate|Stall|Warp Cycles Per Issued|Issue Slots|SM Busy|Ipc|Bank" "$OUT/$step.log" | head -120 ;;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in memcheck racecheck synccheck; do
         compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py > "$OUT/sanitize-$tool.log" 2>&1
         echo "$tool rc=$? $(tail -1 "$OUT/sanitize-$tool.log")"
       done ;;
+    probe)  # racecheck on the exchange forms of scripts/racecheck_probe.cu
+      nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -o /tmp/racecheck_probe scripts/racecheck_probe.cu || status=1
+      for m in 0 1 2 4 6 7 8 15 16; do
+        compute-sanitizer --tool racecheck /tmp/racecheck_probe $m 2>&1 | grep -E "^mode|SUMMARY" | tr '\n' ' '; echo
+      done | tee "$OUT/racecheck-probe.log" ;;
     sass)
       cuobjdump --dump-resource-usage "$SO" > "$OUT/resource-usage.txt" 2>&1
       cuobjdump --dump-sass "$SO" > "$OUT/sass.txt" 2>&1

@@ -75,6 +75,9 @@ struct SharedStorage {
   int64_t tile_index[2];
   uint64_t tile_full[2];
   uint64_t tile_empty[2];
+  // Split half tiles: warpgroup 1's partial sums are in its staging boxes (exchange_full) / read (exchange_empty).
+  uint64_t exchange_full;
+  uint64_t exchange_empty;
 };
 
 template <GemmSchedule S, GemmEpilogue E>
@@ -200,9 +203,6 @@ __device__ __forceinline__ __nv_bfloat162 get_pair(uint32_t slots, int box, int 
 }
 
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
-
-// Both consumer warpgroups (a half tile's partial sums pass between them).
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
 
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
@@ -349,6 +349,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         cutlass::arch::ClusterBarrier::init(&smem.tile_full[s], 1);
         cutlass::arch::ClusterBarrier::init(&smem.tile_empty[s], 8);  // one arrival per consumer warp
       }
+    }
+    if constexpr (Pipeline<S, E>::kSplitHalves) {
+      cutlass::arch::ClusterBarrier::init(&smem.exchange_full, 128);  // one arrival per thread
+      cutlass::arch::ClusterBarrier::init(&smem.exchange_empty, 128);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -557,6 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
   uint32_t taken = 0;  // claimed order: tiles taken from the handoff
+  uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
   for (int64_t t = blockIdx.x;; t += gridDim.x) {
     if (claimed) t = take_tile(taken++);
     if (t >= walker.total) break;
@@ -641,22 +646,33 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     if (split) {
       // Warpgroup 1's partial sums (if it had a k-slice) join warpgroup 0's through its own staging boxes,
       // as many values per thread per round as they hold; thread-major, so the accesses are conflict-free.
+      // The rounds pass through two mbarriers (each thread arrives: its own accesses are released), so
+      // warpgroup 1 refills the boxes only after warpgroup 0 has read them, and leaves once the last
+      // round is read (its next writes to the boxes come after). Pairs of bar.sync 3 ordered them as
+      // well, but compute-sanitizer racecheck reported RAW hazards on that form (thirteenth session;
+      // its probe, scripts/racecheck_probe.cu mode 4, reproduces them); this form is racecheck-clean.
       constexpr int kPerRound = Pipeline<S, E>::kBoxes * kBoxBytes / (128 * 4);
       const uint32_t part = smem_addr(smem.staging[1]) + 4 * wtid;
       if (wg == 1) staging_acquire(1, wtid);
       CUTE_UNROLL
       for (int v0 = 0; v0 < size(acc); v0 += kPerRound) {
+        const uint32_t parity = exchanges & 1;
         if (wg == 1) {
+          cutlass::arch::ClusterBarrier::wait(&smem.exchange_empty, parity ^ 1);
           CUTE_UNROLL
           for (int v = 0; v < kPerRound; ++v) st_shared(part + 512 * v, __float_as_uint(acc(v0 + v)));
+          cutlass::arch::ClusterBarrier::arrive(&smem.exchange_full);
+        } else {
+          cutlass::arch::ClusterBarrier::wait(&smem.exchange_full, parity);
+          if (tile.k_tiles > 1) {
+            CUTE_UNROLL
+            for (int v = 0; v < kPerRound; ++v) acc(v0 + v) += __uint_as_float(ld_shared(part + 512 * v));
+          }
+          cutlass::arch::ClusterBarrier::arrive(&smem.exchange_empty);
         }
-        consumers_sync();
-        if (wg == 0 && tile.k_tiles > 1) {
-          CUTE_UNROLL
-          for (int v = 0; v < kPerRound; ++v) acc(v0 + v) += __uint_as_float(ld_shared(part + 512 * v));
-        }
-        consumers_sync();
+        ++exchanges;
       }
+      if (wg == 1) cutlass::arch::ClusterBarrier::wait(&smem.exchange_empty, (exchanges & 1) ^ 1);
     }
     if (!epilogue) continue;
     if constexpr (kDeferred) {
