@@ -51,8 +51,11 @@ constexpr uint32_t kStageBBytes = 2 * kSubTileElems * 2;  // the weight half of 
 // weight gradients run faster with 4 stages than with 3 and one round of 4 boxes (7 of 8 GEMM medians,
 // by up to 3.4%; same shapes).
 // FC2 dgrad's epilogue uses 3 of its 4 boxes at once (gate, up, weighted activation): with 3 stages
-// there is room for 4 either way, and a 4th stage would not fit beside 3. (4 stages with 2 boxes and
-// the weighted activation written from registers measured ~13-14% slower.)
+// there is room for 4 either way, and a 4th stage would not fit beside 3. 4 stages with 2 boxes and
+// the weighted activation written from registers measured ~13-14% slower when it spilled; without a spill
+// (thirteenth session) it was within 1.6% on every shape, although Nsight shows FC2 dgrad's consumer warps
+// waiting ~39% of their time for a filled stage (Qwen3-235B, T = 8192): the ring's depth is not what
+// starves them.
 // kSplitHalves: a half tile's warpgroups take alternate k-slices only with an even ring depth. With an
 // odd one a warpgroup's next stage would last have been the other's, whose fill it cannot tell from its
 // own two phases back (the parity wait passes early); FC2 dgrad runs half tiles as full ones instead.
@@ -648,9 +651,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       // as many values per thread per round as they hold; thread-major, so the accesses are conflict-free.
       // The rounds pass through two mbarriers (each thread arrives: its own accesses are released), so
       // warpgroup 1 refills the boxes only after warpgroup 0 has read them, and leaves once the last
-      // round is read (its next writes to the boxes come after). Pairs of bar.sync 3 ordered them as
-      // well, but compute-sanitizer racecheck reported RAW hazards on that form (thirteenth session;
-      // its probe, scripts/racecheck_probe.cu mode 4, reproduces them); this form is racecheck-clean.
+      // round is read (its next writes to the boxes come after). Pairs of bar.sync 3, 256 ordered them
+      // as well, but compute-sanitizer racecheck reports RAW hazards on that form, also in a small kernel
+      // whose exchanged values all check out (scripts/racecheck_probe.cu); this form is racecheck-clean.
       constexpr int kPerRound = Pipeline<S, E>::kBoxes * kBoxBytes / (128 * 4);
       const uint32_t part = smem_addr(smem.staging[1]) + 4 * wtid;
       if (wg == 1) staging_acquire(1, wtid);
