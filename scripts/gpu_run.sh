@@ -84,8 +84,8 @@ for step in $STEPS; do
       done ;;
     probe)  # racecheck on the exchange forms of scripts/racecheck_probe.cu
       nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -o /tmp/racecheck_probe scripts/racecheck_probe.cu || status=1
-      for m in 0 1 2 4 6 7 8 15 16; do
-        compute-sanitizer --tool racecheck /tmp/racecheck_probe $m 2>&1 | grep -E "^mode|SUMMARY" | tr '\n' ' '; echo
+      for m in 0 1 2 4 6 7 8 15 16 40; do
+        timeout 120 compute-sanitizer --tool racecheck /tmp/racecheck_probe $m 2>&1 | grep -E "^mode|SUMMARY" | tr '\n' ' '; echo
       done | tee "$OUT/racecheck-probe.log" ;;
     sass)
       cuobjdump --dump-resource-usage "$SO" > "$OUT/resource-usage.txt" 2>&1

@@ -4,11 +4,13 @@
 // lane 0 of a warpgroup waiting on its bulk stores before the warpgroup's own named barrier.
 // On the GPU machine:
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -o /tmp/racecheck_probe scripts/racecheck_probe.cu
-//   for m in 0 1 2 4 6 7 8 15 16; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $m; done
+//   for m in 0 1 2 4 6 7 8 15 16 40; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $m; done
 // mode bits: 1: warpgroup 0 passes its own barrier a varying number of times per round; 2 / 4: warpgroup
 // 1 / 0 writes its boxes and stores them with a bulk copy each round (waited on by lane 0, as the
 // epilogue); 8: the exchange goes through two mbarriers (as the engine since the thirteenth session)
-// instead of pairs of bar.sync 3, 256; 16: no lane-0 wait before the exchange.
+// instead of pairs of bar.sync 3, 256; 16: no lane-0 wait before the exchange; 32 (with 8): warpgroup 1
+// refills the boxes before (not after) waiting for them to be read, a real race with the barrier protocol
+// intact: the control case (added after the thirteenth session's runs, not run yet).
 // The kernel checks every value it exchanged. Thirteenth session, H200: no mode mismatched a value; every
 // bar.sync mode reports 6-8 RAW hazards (mode 16 too, so not the lane-0 wait), the mbarrier modes none.
 #include <cstdio>
@@ -93,9 +95,10 @@ __global__ void __launch_bounds__(384, 1) probe(float* out, float* stores, int* 
       if (mode & 8) {
         const unsigned parity = exchanges & 1;
         if (w == 1) {
-          mbar_wait(&exchange_empty, parity ^ 1);
+          if (!(mode & 32)) mbar_wait(&exchange_empty, parity ^ 1);
           boxes[1][t] = sent;
           boxes[1][t + 512] = sent + 1.0f;
+          if (mode & 32) mbar_wait(&exchange_empty, parity ^ 1);
           mbar_arrive(&exchange_full);
         } else {
           mbar_wait(&exchange_full, parity);
