@@ -9,8 +9,8 @@
 // FLOP) whose column halves are the tile's two 128-row weight loads (for FC1 the gate and
 // the up projection of the same activation columns, so SwiGLU needs no shuffle),
 // runs wgmma straight from shared memory, and hands its epilogue to TMA stores through
-// swizzled shared-memory boxes (they drain while the next tile's mainloop runs; but for FC2 dgrad's, a
-// tile's last round of boxes is written during the next tile's first k-slice).
+// swizzled shared-memory boxes (they drain while the next tile's mainloop runs; in every variant but FC2
+// dgrad, a tile's last round of boxes is written during the next tile's first k-slice).
 // Producer and consumers walk the same tile sequence, so the ring's stage/phase
 // counters stay in step; in the claimed tile order (GemmConfig::claim_tiles) the producer passes
 // each tile index to the consumers, otherwise they need no other communication. An expert's last
