@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 
 #include "grouped_gemm_launch.cuh"
 
@@ -100,6 +101,12 @@ bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** w
     if (why != nullptr) *why = "only FC1 gathers its A rows, with a positive row divisor and no rows-ready hook";
     return false;
   }
+  const int64_t row_tiles = a.schedule == GemmSchedule::kRows ? a.num_rows / kGemmTileM + a.num_experts + 1
+                                                                : int64_t(a.num_experts) * (a.m / kGemmTileM);
+  if (row_tiles * (a.n / gemm_tile_n(a.epilogue)) >= (int64_t(1) << 31)) {
+    if (why != nullptr) *why = "more than 2^31 output tiles";
+    return false;
+  }
   if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out) || !aligned16(a.out_h) || !aligned16(a.in_h) ||
       !aligned16(a.out_dh)) {
     if (why != nullptr) *why = "operands are not 16-byte aligned";
@@ -142,6 +149,10 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order) {
   const bool pays = weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_tiles > a.num_sms;
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
+  const char* pairs = std::getenv("PRIMEMOE_GEMM_PAIRS");
+  config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) && pairs != nullptr &&
+                     pairs[0] == '1';
+  if (config.pair_rows) config.claim_tiles = false;
   return config;
 }
 
@@ -152,6 +163,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.args = a;
   params.split_half_tiles = config.split_half_tiles;
   params.claim_tiles = config.claim_tiles;
+  params.pair_rows = config.pair_rows;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -102,6 +102,9 @@ struct GemmConfig {
   // order (below) removed the case where it lost; a kernel parameter still, folded when a GPU run can check it.
   bool split_half_tiles;
   bool claim_tiles;  // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter, not every grid-th
+  // kRows (gemm_pairs_rows): 2-CTA clusters take row blocks 2b and 2b + 1 of one column tile; where both are one
+  // expert's, each CTA loads half of the weight tile and multicasts it to both (excludes claim_tiles).
+  bool pair_rows;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same
@@ -117,6 +120,11 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = Til
 // session) it compiles without a spill, but still measured 1.8-4.1% slower (thirteenth session).
 constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e, bool gather_a) {
   return s == GemmSchedule::kRows && e != GemmEpilogue::kSwiGLUBackward && !gather_a;
+}
+
+// The variants built with paired row blocks (GemmConfig::pair_rows): the forward's K-major weights, TMA-loaded A.
+constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
+  return s == GemmSchedule::kRows && b_k_major && !gather_a;
 }
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).

@@ -21,6 +21,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include <cute/tensor.hpp>
@@ -81,6 +82,8 @@ struct SharedStorage {
   // Split half tiles: warpgroup 1's partial sums are in its staging boxes (exchange_full) / read (exchange_empty).
   uint64_t exchange_full;
   uint64_t exchange_empty;
+  // Paired row blocks (GemmConfig::pair_rows): the peer's producer found its own consumers done with the stage.
+  uint64_t pair_empty[Stages];
 };
 
 template <GemmSchedule S, GemmEpilogue E>
@@ -119,6 +122,35 @@ __device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* bar, 
       :
       : "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
+}
+
+// The same box into the same shared-memory offset of both CTAs of a 2-CTA cluster; each CTA's barrier there
+// counts the bytes it receives.
+__device__ __forceinline__ void tma_load_pair(const CUtensorMap* map, uint64_t* bar, void* dst, int32_t c0, int32_t c1,
+                                              int32_t c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4, %5}], [%2], %6;"
+      :
+      : "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(uint16_t(3))
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// One arrival on the barrier at `bar`'s offset in CTA `rank` of the cluster.
+__device__ __forceinline__ void arrive_remote(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // 16 bytes into shared memory, or 16 zero bytes when `bytes` is 0 (src is then not read).
@@ -337,6 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   const GroupedGemmArgs& args = p.args;
   extern __shared__ uint8_t smem_raw[];
   constexpr int kStages = Pipeline<S, E>::kStages;
+  constexpr bool kPairs = gemm_pairs_rows(S, BKMajor, GatherA);
   auto& smem =
       *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
@@ -357,9 +390,17 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       cutlass::arch::ClusterBarrier::init(&smem.exchange_full, 128);  // one arrival per thread
       cutlass::arch::ClusterBarrier::init(&smem.exchange_empty, 128);
     }
+    if constexpr (kPairs) {
+      for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);  // the peer's producer
+    }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  // Paired: the peer arrives on this CTA's barriers and writes its stages only once they are initialised.
+  if (kPairs && p.pair_rows) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
   TileWalker<S, E> walker(args, p.split_half_tiles);
   // Tile order: every grid-th tile (static), or claimed from a global counter as the producer gets to
@@ -367,6 +408,29 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // differ in length. Both give the same bits: a tile's result does not depend on which CTA
   // computes it.
   const bool claimed = gemm_claims_tiles(S, E, GatherA) && p.claim_tiles;
+  // Every grid-th tile, or with paired row blocks (GemmConfig::pair_rows, launched as 2-CTA clusters) every
+  // cluster-count-th pair of row blocks 2q and 2q + 1 in one column tile, of which this CTA takes the one its rank in
+  // the cluster names. Past the last real tile of the sequence comes none (a CTA of rank 1 stops where the row
+  // blocks are odd in number). Lambdas, so that nothing of this is held in registers across the mainloop.
+  auto paired = [&] { return kPairs && p.pair_rows; };
+  auto pair_tile = [&](int32_t pair) {  // < 2^31 tiles: grouped_gemm_supported bounds them
+    return int64_t(2 * (pair / walker.n_tiles) + int32_t(cluster_rank())) * walker.n_tiles + pair % walker.n_tiles;
+  };
+  auto first_tile = [&]() -> int64_t {
+    if constexpr (kPairs) {
+      if (p.pair_rows) return pair_tile(blockIdx.x / 2);
+    }
+    return blockIdx.x;
+  };
+  auto next_tile = [&](int64_t t) -> int64_t {
+    if constexpr (kPairs) {
+      if (p.pair_rows) {
+        const int32_t n = walker.n_tiles;
+        return pair_tile(int32_t(t) / n / 2 * n + int32_t(t) % n + int32_t(gridDim.x / 2));
+      }
+    }
+    return t + gridDim.x;
+  };
   // The claimed index goes from the producer to the consumers through a two-slot ring: the n-th tile
   // uses slot n % 2 at parity n / 2 % 2 (the index past the last tile, too, so that everyone stops).
   // CUTLASS's barrier wait and arrive carry no memory clobber: the empty asm statements keep the
@@ -402,10 +466,21 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     RingPos<kStages> pos;
     int32_t ready_expert = -1;
     uint32_t passed = 0;  // claimed order: tiles passed to the consumers
-    for (int64_t t = blockIdx.x;; t = claimed ? int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1) : t + gridDim.x) {
+    uint32_t pair_phases = 0;  // paired: bit s is the parity of pair_empty[s]'s next phase
+    for (int64_t t = first_tile();; t = claimed ? int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1) : next_tile(t)) {
       if (claimed) pass_tile(passed++, t);
       if (t >= walker.total) break;
       const Tile tile = walker.at(t);
+      // Both CTAs of a pair see that its two blocks are one routed expert's (then they share its weight tile).
+      bool shared = false;
+      if constexpr (kPairs) {
+        const int32_t block = int32_t(t / walker.n_tiles);
+        if (paired() && tile.expert < args.num_experts) {
+          const int32_t expert_blocks =
+              walker.blocks(args.expert_offsets[tile.expert + 1] - args.expert_offsets[tile.expert]);
+          shared = cluster_rank() == 0 ? block + 1 < walker.expert_block + expert_blocks : block > walker.expert_block;
+        }
+      }
       // The rows-ready hook (expert parallelism: rows are placed by the dispatch, never gathered).
       if (S == GemmSchedule::kRows && !GatherA && args.hook.counters != nullptr && tile.k_tiles > 0 &&
           tile.expert != ready_expert) {
@@ -430,6 +505,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
         cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], pos.phase ^ 1);
+        if (shared) {
+          // The peer's stage is written too: its consumers must be done with it as well. Each producer arrives on the
+          // other's pair_empty once its own consumers are, so a stage's next use waits for this one's on both sides.
+          arrive_remote(&smem.pair_empty[stage], cluster_rank() ^ 1);
+          cutlass::arch::ClusterBarrier::wait(&smem.pair_empty[stage], (pair_phases >> stage) & 1);
+          pair_phases ^= 1u << stage;
+        }
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
         bfloat16_t* sa = smem.a + stage * kSubTileElems;
         if (ptid == 0) {
@@ -451,7 +533,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
             if constexpr (S == GemmSchedule::kRows) {
               // Weight half j: FC1's up rows are n rows past its gate rows.
               const int32_t n0 = tile.n_tile * gemm_tile_n(E) + j * (E == GemmEpilogue::kSwiGLU ? args.n : 128);
-              load_tile<BKMajor>(&p.tma_b, bar, sb, n0, k0, tile.expert);
+              if (!shared) {
+                load_tile<BKMajor>(&p.tma_b, bar, sb, n0, k0, tile.expert);
+              } else if (j == int(cluster_rank())) {  // the other half comes from the peer
+                tma_load_pair(&p.tma_b, bar, sb, k0, n0, tile.expert);
+              }
             } else {
               load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
             }
@@ -565,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   RingPos<kStages> ring;
   uint32_t taken = 0;  // claimed order: tiles taken from the handoff
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
-  for (int64_t t = blockIdx.x;; t += gridDim.x) {
+  for (int64_t t = first_tile();; t = next_tile(t)) {
     if (claimed) t = take_tile(taken++);
     if (t >= walker.total) break;
     const Tile tile = walker.at(t);
@@ -776,6 +862,38 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes<S, E>));
     if (err != cudaSuccess) return err;
     smem_set_on[device].store(true, std::memory_order_release);
+  }
+  if (params.pair_rows) {
+    // 2-CTA clusters: as many as fit at once (1 CTA per SM; a GPC's odd SM takes no cluster), asked once per device.
+    static std::atomic<int> clusters_on[kMaxDevices];
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(2 * ((grid + 1) / 2));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = kSmemBytes<S, E>;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int clusters = clusters_on[device].load(std::memory_order_relaxed);
+    if (clusters == 0) {
+      err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+      if (err != cudaSuccess) return err;
+      if (clusters <= 0) clusters = -1;
+      clusters_on[device].store(clusters, std::memory_order_relaxed);
+    }
+    if (clusters > 0) {
+      config.gridDim = dim3(2 * std::min(clusters, (grid + 1) / 2));
+      err = cudaLaunchKernelEx(&config, kernel, params);
+      return err == cudaSuccess ? cudaGetLastError() : err;
+    }
+    GemmParams single = params;  // no cluster fits: every grid-th tile, each CTA loading its whole weight tile
+    single.pair_rows = false;
+    kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(single);
+    return cudaGetLastError();
   }
   kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(params);
   return cudaGetLastError();
