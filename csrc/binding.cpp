@@ -625,10 +625,19 @@ TileOrder tile_order_from_env() {
   return o == "static" ? TileOrder::kStatic : TileOrder::kClaimed;
 }
 
+// PRIMEMOE_GEMM_PAIRS=1: paired row blocks (gemm_pairs_rows) where a variant has them; 0 or unset: none.
+bool pair_rows_from_env() {
+  const char* pairs = std::getenv("PRIMEMOE_GEMM_PAIRS");
+  if (pairs == nullptr || *pairs == '\0') return false;
+  const std::string v(pairs);
+  PRIMEMOE_CHECK(v == "0" || v == "1", "PRIMEMOE_GEMM_PAIRS: expected 0 or 1, got '", v, "'");
+  return v == "1";
+}
+
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
   const char* why = "";
   PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
-  const GemmConfig config = choose_gemm_config(g, tile_order_from_env());
+  const GemmConfig config = choose_gemm_config(g, tile_order_from_env(), pair_rows_from_env());
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {

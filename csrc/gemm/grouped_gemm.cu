@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 #include "grouped_gemm_launch.cuh"
 
@@ -140,7 +139,7 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 // mixed, -2.4..+1.4%, so small weights keep the static order, which needs no counter.
 constexpr uint64_t kClaimTilesAboveWeightBytes = uint64_t(8) << 20;
 
-GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order) {
+GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, bool pair_rows) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
@@ -149,9 +148,7 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order) {
   const bool pays = weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_tiles > a.num_sms;
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
-  const char* pairs = std::getenv("PRIMEMOE_GEMM_PAIRS");
-  config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) && pairs != nullptr &&
-                     pairs[0] == '1';
+  config.pair_rows = pair_rows && gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr);
   if (config.pair_rows) config.claim_tiles = false;
   return config;
 }

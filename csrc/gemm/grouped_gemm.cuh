@@ -102,8 +102,8 @@ struct GemmConfig {
   // order (below) removed the case where it lost; a kernel parameter still, folded when a GPU run can check it.
   bool split_half_tiles;
   bool claim_tiles;  // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter, not every grid-th
-  // kRows (gemm_pairs_rows): 2-CTA clusters take row blocks 2b and 2b + 1 of one column tile; where both are one
-  // expert's, each CTA loads half of the weight tile and multicasts it to both (excludes claim_tiles).
+  // kRows (gemm_pairs_rows): 2-CTA clusters take row blocks 2q and 2q + 1 of one column tile; where both are one
+  // expert's, each CTA loads half of the weight tile and multicasts it to both (static order: excludes claim_tiles).
   bool pair_rows;
 };
 
@@ -111,7 +111,8 @@ struct GemmConfig {
 // bits). kClaimed applies only to the variants built with it (gemm_claims_tiles).
 enum class TileOrder { kAuto, kStatic, kClaimed };
 
-GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto);
+// pair_rows asks for paired row blocks where the variant has them (gemm_pairs_rows); off unless asked, see there.
+GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto, bool pair_rows = false);
 
 // The variants built with the claimed tile order. Not a gathered A: its 128 producer threads walk the
 // tiles, one claims. Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
@@ -123,6 +124,12 @@ constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e, bool gather_a) 
 }
 
 // The variants built with paired row blocks (GemmConfig::pair_rows): the forward's K-major weights, TMA-loaded A.
+// Each weight byte then crosses from L2 once per pair of row blocks instead of once per block. Halving the weight
+// loads outright (a timing-only kernel that reused every other stage's weights) took the power-capped back-to-back
+// Qwen3-235B T = 8192 FC1 from 3.07 to 2.86 ms and FC2 from 1.57 to 1.37 ms on the H200. Pairs got part of that:
+// 2.7% (FC1) and 1.3% (FC2) faster than the static order, but 0.8% and 1.1% slower than the claimed order the
+// heuristics pick there, which pairs give up (a pair is two CTAs of one cluster, placed statically); at Qwen3-30B
+// (static order) FC1 -1.0%, FC2 +1.5%. So they are opt-in (PRIMEMOE_GEMM_PAIRS=1) until pairs are claimed too.
 constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
   return s == GemmSchedule::kRows && b_k_major && !gather_a;
 }

@@ -13,7 +13,10 @@
 // dgrad, a tile's last round of boxes is written during the next tile's first k-slice).
 // Producer and consumers walk the same tile sequence, so the ring's stage/phase
 // counters stay in step; in the claimed tile order (GemmConfig::claim_tiles) the producer passes
-// each tile index to the consumers, otherwise they need no other communication. An expert's last
+// each tile index to the consumers, otherwise they need no other communication. With paired row
+// blocks (GemmConfig::pair_rows) the CTAs of a 2-CTA cluster take two row blocks of one column tile,
+// and where both are one expert's, each producer loads half of the weight tile into both CTAs
+// (TMA multicast) once both CTAs' consumers have released the stage; the consumers do not change. An expert's last
 // 64 rows (a half tile) are split along K between the consumers where the ring depth and
 // GemmConfig allow (see Pipeline and the consumers' comment), else multiplied as a full tile.
 #pragma once
@@ -864,7 +867,7 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     smem_set_on[device].store(true, std::memory_order_release);
   }
   if (params.pair_rows) {
-    // 2-CTA clusters: as many as fit at once (1 CTA per SM; a GPC's odd SM takes no cluster), asked once per device.
+    // 2-CTA clusters, as many as fit at once (1 CTA per SM), asked once per device.
     static std::atomic<int> clusters_on[kMaxDevices];
     cudaLaunchAttribute cluster{};
     cluster.id = cudaLaunchAttributeClusterDimension;

@@ -120,10 +120,14 @@ def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts):
             assert torch.equal(got, want), f"{name}: paired row blocks changed the result"
 
 
-def test_tile_order_override_is_checked(monkeypatch):
+def test_gemm_overrides_are_checked(monkeypatch):
     gpu = engine_operands([64], 256, 256, device="cuda")
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", "dynamic")
     with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_TILE_ORDER: expected static or claimed"):
+        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    monkeypatch.delenv("PRIMEMOE_GEMM_TILE_ORDER")
+    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", "yes")
+    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_PAIRS: expected 0 or 1"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
 
 
