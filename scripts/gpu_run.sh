@@ -6,12 +6,13 @@
 # only a few files, and those should be the logs and JSONs. REUSE_BUILD=1 skips the build when
 # an earlier call on the same (still warm) machine built these sources.
 # PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
-#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|ncu|ncu235|comm|commprof|sanitize|probe|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|clocks|ncu|ncu235|comm|commprof|sanitize|probe|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
 # smoke: one small forward+backward (stops the run if it fails or hangs); stages: per-stage times of the single-GPU layer
 # (scripts/stage_times.py; STAGES_ARGS adds its options, e.g. --row-aligns 64 128 or --tile-orders static claimed);
+# clocks: SM clock, power and power-cap state while the GEMMs run back to back vs with gaps (scripts/clock_state.py);
 # ncu / ncu235: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py) at 30B T = 16384
 # / 235B T = 8192; commprof: dispatch/combine region and kernel times on every GPU (scripts/comm_profile.py).
 set -uo pipefail
@@ -65,6 +66,7 @@ for step in $STEPS; do
              --out "$TABLES/bench" 2>&1 | tee "$OUT/bench.log" | tail -30; keep_json bench ;;
     stages) $PY scripts/stage_times.py --out "$OUT/stages.json" ${STAGES_ARGS:-} 2>&1 | tee "$OUT/stages.log" ;;
     main) $PY -m primemoe 2>&1 | tee "$OUT/main.log" ;;
+    clocks) OUT=$OUT $PY scripts/clock_state.py 2>&1 | tee "$OUT/clock_state.log" | tail -32 ;;
     bench) $PY -m primemoe.bench --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 1 2 \
              --out "$TABLES/bench" 2>&1 | tee "$OUT/bench.log" | tail -30; keep_json bench ;;
     comm) $PY -m primemoe.bench --comm --shapes qwen3-30b-a3b qwen3-235b-a22b --tokens 4096 8192 16384 --ep 2 \
