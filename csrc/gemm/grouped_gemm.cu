@@ -91,6 +91,13 @@ bool shape_supported(GemmSchedule schedule, GemmEpilogue epilogue, int64_t m, in
   return true;
 }
 
+// An upper bound of the output tiles the walker makes (kRows: every expert's partial last block counted once more).
+int64_t max_output_tiles(const GroupedGemmArgs& a) {
+  const int64_t row_tiles = a.schedule == GemmSchedule::kRows ? a.num_rows / kGemmTileM + a.num_experts + 1
+                                                                : int64_t(a.num_experts) * (a.m / kGemmTileM);
+  return row_tiles * (a.n / gemm_tile_n(a.epilogue));
+}
+
 }  // namespace
 
 bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
@@ -100,9 +107,7 @@ bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** w
     if (why != nullptr) *why = "only FC1 gathers its A rows, with a positive row divisor and no rows-ready hook";
     return false;
   }
-  const int64_t row_tiles = a.schedule == GemmSchedule::kRows ? a.num_rows / kGemmTileM + a.num_experts + 1
-                                                                : int64_t(a.num_experts) * (a.m / kGemmTileM);
-  if (row_tiles * (a.n / gemm_tile_n(a.epilogue)) >= (int64_t(1) << 31)) {
+  if (max_output_tiles(a) >= (int64_t(1) << 31)) {  // the kernels count tiles in 32 bits in places
     if (why != nullptr) *why = "more than 2^31 output tiles";
     return false;
   }
@@ -144,8 +149,7 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, bool pa
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
   // At most one tile per CTA (small batches): the order cannot matter, so no counter is zeroed.
-  const int64_t max_tiles = (a.num_rows / kGemmTileM + a.num_experts + 1) * int64_t(a.n / gemm_tile_n(a.epilogue));
-  const bool pays = weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_tiles > a.num_sms;
+  const bool pays = weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_output_tiles(a) > a.num_sms;
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
   config.pair_rows = pair_rows && gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr);

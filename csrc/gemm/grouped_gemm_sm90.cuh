@@ -867,7 +867,7 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     smem_set_on[device].store(true, std::memory_order_release);
   }
   if (params.pair_rows) {
-    // 2-CTA clusters, as many as fit at once (1 CTA per SM), asked once per device.
+    // 2-CTA clusters, as many as fit at once (1 CTA per SM), asked once per device and variant.
     static std::atomic<int> clusters_on[kMaxDevices];
     cudaLaunchAttribute cluster{};
     cluster.id = cudaLaunchAttributeClusterDimension;
@@ -883,9 +883,10 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     config.numAttrs = 1;
     int clusters = clusters_on[device].load(std::memory_order_relaxed);
     if (clusters == 0) {
-      err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-      if (err != cudaSuccess) return err;
-      if (clusters <= 0) clusters = -1;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0) {
+        cudaGetLastError();  // no cluster of this kernel fits (or none can be asked for): the unpaired launch
+        clusters = -1;
+      }
       clusters_on[device].store(clusters, std::memory_order_relaxed);
     }
     if (clusters > 0) {
