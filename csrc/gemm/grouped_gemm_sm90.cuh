@@ -415,7 +415,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // cluster-count-th pair of row blocks 2q and 2q + 1 in one column tile, of which this CTA takes the one its rank in
   // the cluster names. Past the last real tile of the sequence comes none (a CTA of rank 1 stops where the row
   // blocks are odd in number). Lambdas, so that nothing of this is held in registers across the mainloop.
-  auto paired = [&] { return kPairs && p.pair_rows; };
   auto pair_tile = [&](int32_t pair) {  // < 2^31 tiles: grouped_gemm_supported bounds them
     return int64_t(2 * (pair / walker.n_tiles) + int32_t(cluster_rank())) * walker.n_tiles + pair % walker.n_tiles;
   };
@@ -478,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       bool shared = false;
       if constexpr (kPairs) {
         const int32_t block = int32_t(t / walker.n_tiles);
-        if (paired() && tile.expert < args.num_experts) {
+        if (p.pair_rows && tile.expert < args.num_experts) {
           const int32_t expert_blocks =
               walker.blocks(args.expert_offsets[tile.expert + 1] - args.expert_offsets[tile.expert]);
           shared = cluster_rank() == 0 ? block + 1 < walker.expert_block + expert_blocks : block > walker.expert_block;
