@@ -76,6 +76,21 @@ def test_half_tiles_with_odd_k_slices(k):
     assert_rows_close("weighted", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
 
 
+def assert_same_bits_under_env(monkeypatch, variable, reference, other, ops_under_test, what):
+    """Each op run with `variable` set to `reference`, then to `other` (poisoned outputs each time): bitwise equal,
+    and the reference run wrote every output element."""
+    for name, run in ops_under_test.items():
+        results = {}
+        for value in (reference, other):
+            monkeypatch.setenv(variable, value)
+            poison_caching_allocator()
+            results[value] = run()
+            torch.cuda.synchronize()
+        for got, want in zip(results[other], results[reference]):
+            assert not want.isnan().any(), f"{name}: NaN (unwritten output)"
+            assert torch.equal(got, want), f"{name}: {what} changed the result"
+
+
 def test_claimed_tile_order_gives_the_static_bits(monkeypatch):
     """The claimed tile order (the producer claims tiles from a counter and hands each index to the
     consumers) against every grid-th tile, forced both ways by PRIMEMOE_GEMM_TILE_ORDER: bitwise equal on
@@ -86,15 +101,8 @@ def test_claimed_tile_order_gives_the_static_bits(monkeypatch):
         "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
         "fc1 dgrad": lambda: (ops.expert_gemm(gpu.h, gpu.w1, gpu.offsets, True),),
     }
-    for name, run in ops_under_test.items():
-        results = {}
-        for order in ("static", "claimed"):
-            monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-            poison_caching_allocator()
-            results[order] = run()
-        for got, want in zip(results["claimed"], results["static"]):
-            assert not want.isnan().any(), f"{name}: NaN (unwritten output)"
-            assert torch.equal(got, want), f"{name}: the claimed tile order changed the result"
+    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_TILE_ORDER", "static", "claimed", ops_under_test,
+                               "the claimed tile order")
 
 
 @pytest.mark.parametrize("counts", [[300, 0, 1, 700, 129, 64, 1000, 63] * 2, [64, 64, 64], [1], [0, 0, 5000, 0]])
@@ -111,16 +119,7 @@ def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, i
         "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
     }
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", "static")
-    for name, run in ops_under_test.items():
-        results = {}
-        for pairs in ("0", "1"):
-            monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
-            poison_caching_allocator()
-            results[pairs] = run()
-            torch.cuda.synchronize()
-        for got, want in zip(results["1"], results["0"]):
-            assert not want.isnan().any(), f"{name}: NaN (unwritten output)"
-            assert torch.equal(got, want), f"{name}: paired row blocks changed the result"
+    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", "1", ops_under_test, "paired row blocks")
 
 
 def test_gemm_overrides_are_checked(monkeypatch):
