@@ -153,7 +153,6 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, bool pa
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
   config.pair_rows = pair_rows && gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr);
-  if (config.pair_rows) config.claim_tiles = false;
   return config;
 }
 

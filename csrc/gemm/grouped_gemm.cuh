@@ -103,7 +103,7 @@ struct GemmConfig {
   bool split_half_tiles;
   bool claim_tiles;  // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter, not every grid-th
   // kRows (gemm_pairs_rows): 2-CTA clusters take row blocks 2q and 2q + 1 of one column tile; where both are one
-  // expert's, each CTA loads half of the weight tile and multicasts it to both (static order: excludes claim_tiles).
+  // expert's, each CTA loads half of the weight tile and multicasts it to both. With claim_tiles, rank 0 claims pairs.
   bool pair_rows;
 };
 
@@ -128,8 +128,9 @@ constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e, bool gather_a) 
 // loads outright (a timing-only kernel that reused every other stage's weights) took the power-capped back-to-back
 // Qwen3-235B T = 8192 FC1 from 3.07 to 2.86 ms and FC2 from 1.57 to 1.37 ms on the H200. Pairs got part of that:
 // 2.7% (FC1) and 1.3% (FC2) faster than the static order, but 0.8% and 1.1% slower than the claimed order the
-// heuristics pick there, which pairs give up (a pair is two CTAs of one cluster, placed statically); at Qwen3-30B
-// (static order) FC1 -1.0%, FC2 +1.5%. So they are opt-in (PRIMEMOE_GEMM_PAIRS=1) until pairs are claimed too.
+// heuristics pick there, which statically placed pairs gave up; at Qwen3-30B (static order) FC1 -1.0%, FC2 +1.5%.
+// Claimed pairs (rank 0's producer claims each pair and passes it to rank 1's) are not measured yet: opt-in
+// (PRIMEMOE_GEMM_PAIRS=1).
 constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
   return s == GemmSchedule::kRows && b_k_major && !gather_a;
 }

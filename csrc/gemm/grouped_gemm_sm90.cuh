@@ -87,6 +87,11 @@ struct SharedStorage {
   uint64_t exchange_empty;
   // Paired row blocks (GemmConfig::pair_rows): the peer's producer found its own consumers done with the stage.
   uint64_t pair_empty[Stages];
+  // Paired and claimed: rank 0's producer passes each claimed pair to rank 1's (a two-slot ring in rank 1's
+  // pair_work / pair_work_full, emptied into rank 0's pair_work_empty).
+  int32_t pair_work[2];
+  uint64_t pair_work_full[2];
+  uint64_t pair_work_empty[2];
 };
 
 template <GemmSchedule S, GemmEpilogue E>
@@ -150,6 +155,34 @@ __device__ __forceinline__ void arrive_remote(uint64_t* bar, uint32_t rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// The peer's copy of a shared int32, then an arrival on the peer's `bar` that releases it (cluster scope).
+__device__ __forceinline__ void put_remote(int32_t* slot, uint64_t* bar, int32_t v, uint32_t rank) {
+  uint32_t remote_slot;
+  uint32_t remote_bar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_slot) : "r"(smem_addr(slot)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(smem_addr(bar)), "r"(rank));
+  asm volatile("st.shared::cluster.b32 [%0], %1;" ::"r"(remote_slot), "r"(v) : "memory");
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
+}
+
+// Waits for a phase of a barrier that another CTA of the cluster completes (acquire at cluster scope).
+__device__ __forceinline__ void wait_cluster(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n\t"
+      "wait_cluster_again:\n\t"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra wait_cluster_again;\n\t}" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// An arrival on the peer's `bar` that releases this thread's earlier accesses at cluster scope.
+__device__ __forceinline__ void arrive_remote_release(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 __device__ __forceinline__ void cluster_sync() {
@@ -395,6 +428,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if constexpr (kPairs) {
       for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);  // the peer's producer
+      for (int s = 0; s < 2; ++s) {
+        cutlass::arch::ClusterBarrier::init(&smem.pair_work_full[s], 1);   // rank 0's producer
+        cutlass::arch::ClusterBarrier::init(&smem.pair_work_empty[s], 1);  // rank 1's producer
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -469,7 +506,38 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     int32_t ready_expert = -1;
     uint32_t passed = 0;  // claimed order: tiles passed to the consumers
     uint32_t pair_phases = 0;  // paired: bit s is the parity of pair_empty[s]'s next phase
-    for (int64_t t = first_tile();; t = claimed ? int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1) : next_tile(t)) {
+    // Paired and claimed: rank 0 claims each pair and passes it to rank 1 until rank 1's block of it does not exist
+    // (past the last row block), after which rank 1 has stopped. handoffs counts the pairs passed / taken.
+    uint32_t handoffs = 0;
+    bool peer_stopped = false;
+    if constexpr (kPairs) peer_stopped = claimed && p.pair_rows && cluster_rank() == 0 && first_tile() + walker.n_tiles >= walker.total;
+    auto claim_next = [&]() -> int64_t {
+      if constexpr (kPairs) {
+        if (p.pair_rows) {
+          const int slot = handoffs & 1;
+          const uint32_t parity = (handoffs >> 1) & 1;
+          int32_t work;
+          if (cluster_rank() == 0) {
+            work = int32_t(gridDim.x / 2) + atomicAdd(args.tile_counter, 1);
+            if (!peer_stopped) {
+              wait_cluster(&smem.pair_work_empty[slot], parity ^ 1);
+              put_remote(&smem.pair_work[slot], &smem.pair_work_full[slot], work, 1);
+              ++handoffs;
+              peer_stopped = pair_tile(work) + walker.n_tiles >= walker.total;
+            }
+          } else {
+            wait_cluster(&smem.pair_work_full[slot], parity);
+            work = smem.pair_work[slot];
+            ++handoffs;
+            // The last handoff is not given back: rank 0 no longer waits for it, and may have left.
+            if (pair_tile(work) < walker.total) arrive_remote_release(&smem.pair_work_empty[slot], 0);
+          }
+          return pair_tile(work);
+        }
+      }
+      return int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1);
+    };
+    for (int64_t t = first_tile();; t = claimed ? claim_next() : next_tile(t)) {
       if (claimed) pass_tile(passed++, t);
       if (t >= walker.total) break;
       const Tile tile = walker.at(t);
@@ -558,6 +626,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           cp_async_arrive(bar);
         }
         pos.step(1);
+      }
+    }
+    if constexpr (kPairs) {
+      // Rank 1 gives back every handoff but the last; the one before the last is waited for by no later handoff,
+      // and rank 1's arrival on it must not find this CTA gone.
+      if (claimed && p.pair_rows && cluster_rank() == 0 && handoffs >= 2) {
+        wait_cluster(&smem.pair_work_empty[(handoffs - 2) & 1], ((handoffs - 2) >> 1) & 1);
       }
     }
     if constexpr (GatherA) cp_async_wait_all();

@@ -105,20 +105,22 @@ def test_claimed_tile_order_gives_the_static_bits(monkeypatch):
                                "the claimed tile order")
 
 
+@pytest.mark.parametrize("order", ["static", "claimed"])
 @pytest.mark.parametrize("counts", [[300, 0, 1, 700, 129, 64, 1000, 63] * 2, [64, 64, 64], [1], [0, 0, 5000, 0]])
 @pytest.mark.parametrize("hidden, inter", [(2048, 1536), (2304, 1408)])
-def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, inter):
+def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, inter, order):
     """2-CTA clusters over pairs of row blocks that share the weight tile by multicast where both blocks are one
-    expert's (PRIMEMOE_GEMM_PAIRS=1), against every grid-th tile: bitwise equal on the variants built with pairs
-    (FC1, FC2), with pairs inside and across experts, odd numbers of row blocks and rows past the routed ones.
-    2304 x 1408 gives 36 and 22 k-slices per tile, so the ring's stage and phase differ from tile to tile (with
-    2048 x 1536 every tile starts at stage 0, phase 0), which a drift between the two CTAs' rings would break."""
+    expert's (PRIMEMOE_GEMM_PAIRS=1), placed statically or claimed (rank 0 claims, passes the pair to rank 1),
+    against unpaired tiles: bitwise equal on the variants built with pairs (FC1, FC2), with pairs inside and
+    across experts, odd numbers of row blocks and rows past the routed ones. 2304 x 1408 gives 36 and 22
+    k-slices per tile, so the ring's stage and phase differ from tile to tile (with 2048 x 1536 every tile
+    starts at stage 0, phase 0), which a drift between the two CTAs' rings would break."""
     gpu = engine_operands(counts, hidden, inter, seed=13, device="cuda")
     ops_under_test = {
         "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
         "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
     }
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", "static")
+    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", "1", ops_under_test, "paired row blocks")
 
 

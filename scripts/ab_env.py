@@ -1,0 +1,91 @@
+"""A/B of the engine's forward GEMMs under environment overrides the binding reads per launch (tile order,
+paired row blocks), back to back as the benchmark runs them (the H200 sits at its power cap there, so a gap
+between calls would time a faster clock). Variants alternate phase by phase within one process, for --rounds
+rounds, so drift in the power-capped clock falls on all of them alike.
+Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
+           --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
+Prints and writes, per shape, tokens, stage (fc1, fc2, forward) and variant, the median ms of each round."""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from primemoe import ops, route
+from primemoe.bench import SHAPES
+
+lib = torch.ops.primemoe
+
+
+def parse_variant(text):
+    name, _, assignments = text.partition("=")
+    env = dict(a.split("=", 1) for a in assignments.split(",") if a)
+    return name, env
+
+
+def phase_ms(fn, secs):
+    """Median ms of back-to-back calls for about secs seconds, after a warm-up of the same length."""
+    for timed in (False, True):
+        events = []
+        end = time.time() + secs
+        while time.time() < end:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            events.append((s, e))
+        torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", action="append", required=True, type=parse_variant,
+                   help="name=VAR=value[,VAR=value...] (name= alone: no overrides)")
+    p.add_argument("--shapes", nargs="+", default=["qwen3-235b-a22b:8192", "qwen3-30b-a3b:16384"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--secs", type=float, default=1.0)
+    p.add_argument("--out")
+    a = p.parse_args()
+    overridden = {k for _, env in a.variant for k in env}
+    results = {}
+    for spec in a.shapes:
+        shape, tokens = spec.split(":")
+        T = int(tokens)
+        H, I, E, K = SHAPES[shape]
+        gen = torch.Generator("cuda").manual_seed(0)
+        x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+        idx, w = route(torch.randn(T, E, device="cuda", generator=gen), K)
+        w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
+        w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+        cnt, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
+        xs = lib.gather_rows(x, r2s, K, None, s2r)
+        act, h = lib.fc1_swiglu(xs, w1, off, True)
+        rw = ops.row_weights(w, r2s)
+        stages = {
+            "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),
+            "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
+            "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
+        }
+        for stage, fn in stages.items():
+            for r in range(a.rounds):
+                for name, env in a.variant:
+                    for k in overridden:
+                        os.environ.pop(k, None)
+                    os.environ.update(env)
+                    ms = phase_ms(fn, a.secs)
+                    results.setdefault(f"{shape}/{T} {stage}", {}).setdefault(name, []).append(round(ms, 4))
+            row = results[f"{shape}/{T} {stage}"]
+            print(f"{shape}/{T} {stage:8}", "  ".join(f"{n} {statistics.median(v):.4f} {v}" for n, v in row.items()),
+                  flush=True)
+        del x, w1, w2, xs, act, h
+        torch.cuda.empty_cache()
+    if a.out:
+        json.dump({"device": torch.cuda.get_device_name(), "variants": dict(a.variant), "ms": results},
+                  open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
