@@ -625,13 +625,14 @@ TileOrder tile_order_from_env() {
   return o == "static" ? TileOrder::kStatic : TileOrder::kClaimed;
 }
 
-// PRIMEMOE_GEMM_PAIRS=1: paired row blocks (gemm_pairs_rows) where a variant has them; 0 or unset: none.
-bool pair_rows_from_env() {
+// PRIMEMOE_GEMM_PAIRS=1 / 0: paired row blocks wherever a variant has them (gemm_pairs_rows) / nowhere; unset: the
+// heuristics' choice (gemm_pairs_pay). Read at every launch, as the tile order.
+PairRows pair_rows_from_env() {
   const char* pairs = std::getenv("PRIMEMOE_GEMM_PAIRS");
-  if (pairs == nullptr || *pairs == '\0') return false;
+  if (pairs == nullptr || *pairs == '\0') return PairRows::kAuto;
   const std::string v(pairs);
   PRIMEMOE_CHECK(v == "0" || v == "1", "PRIMEMOE_GEMM_PAIRS: expected 0 or 1, got '", v, "'");
-  return v == "1";
+  return v == "1" ? PairRows::kOn : PairRows::kOff;
 }
 
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {

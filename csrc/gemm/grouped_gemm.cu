@@ -144,7 +144,11 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 // mixed, -2.4..+1.4%, so small weights keep the static order, which needs no counter.
 constexpr uint64_t kClaimTilesAboveWeightBytes = uint64_t(8) << 20;
 
-GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, bool pair_rows) {
+bool gemm_pairs_pay(const GroupedGemmArgs& a) {
+  return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && max_output_tiles(a) > a.num_sms;
+}
+
+GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
@@ -152,7 +156,8 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, bool pa
   const bool pays = weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_output_tiles(a) > a.num_sms;
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
-  config.pair_rows = pair_rows && gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr);
+  config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) &&
+                     (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
   return config;
 }
 

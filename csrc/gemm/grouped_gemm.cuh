@@ -111,8 +111,12 @@ struct GemmConfig {
 // bits). kClaimed applies only to the variants built with it (gemm_claims_tiles).
 enum class TileOrder { kAuto, kStatic, kClaimed };
 
-// pair_rows asks for paired row blocks where the variant has them (gemm_pairs_rows); off unless asked, see there.
-GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto, bool pair_rows = false);
+// kAuto: the heuristics' choice of paired row blocks (gemm_pairs_pay); kOff / kOn force it where the variant has
+// them (gemm_pairs_rows). Both give the same bits.
+enum class PairRows { kAuto, kOff, kOn };
+
+GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto,
+                              PairRows pairs = PairRows::kAuto);
 
 // The variants built with the claimed tile order. Not a gathered A: its 128 producer threads walk the
 // tiles, one claims. Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
@@ -129,11 +133,16 @@ constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e, bool gather_a) 
 // Qwen3-235B T = 8192 FC1 from 3.07 to 2.86 ms and FC2 from 1.57 to 1.37 ms on the H200. Pairs got part of that:
 // 2.7% (FC1) and 1.3% (FC2) faster than the static order, but 0.8% and 1.1% slower than the claimed order the
 // heuristics pick there, which statically placed pairs gave up; at Qwen3-30B (static order) FC1 -1.0%, FC2 +1.5%.
-// Claimed pairs (rank 0's producer claims each pair and passes it to rank 1's) are not measured yet: opt-in
-// (PRIMEMOE_GEMM_PAIRS=1).
+// Claimed pairs (rank 0's producer claims each pair and passes it to rank 1's, fifteenth session): FC1 -0.8%
+// against the claimed order at 235B T = 8192 and -1.2% at 30B T = 16384, FC2 +2.3% and -0.8% (gemm_pairs_pay).
 constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
   return s == GemmSchedule::kRows && b_k_major && !gather_a;
 }
+
+// Where the heuristics pair row blocks: FC1 (the SwiGLU epilogue), the one it measured faster on both shapes, with
+// more tiles than SMs (fewer leave SMs idle whatever the order). Not under the rows-ready hook: the expert-parallel
+// path has not been measured with pairs.
+bool gemm_pairs_pay(const GroupedGemmArgs& args);
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).
 bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char** why);

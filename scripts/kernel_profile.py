@@ -1,0 +1,75 @@
+"""Where the single-GPU layer's time goes, kernel by kernel, back to back as the benchmark runs it (power-capped
+on the H200): torch.profiler over --iters forward and backward calls after a second of warm-up, per kernel the
+mean µs per call and its share of the pass. Usage: python scripts/kernel_profile.py [--shapes ...] [--out f.json]"""
+import argparse
+import collections
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from primemoe import route
+from primemoe.bench import SHAPES
+
+lib = torch.ops.primemoe
+
+
+def short(name):
+    name = name.split("(")[0]
+    return name if len(name) < 90 else name[:87] + "..."
+
+
+def kernel_times(fn, iters):
+    end = time.time() + 1.0
+    while time.time() < end:
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[short(e.name)] += e.device_time_total / iters
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="+", default=["qwen3-235b-a22b:8192", "qwen3-30b-a3b:16384"])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out")
+    a = p.parse_args()
+    out = {}
+    for spec in a.shapes:
+        shape, tokens = spec.split(":")
+        T = int(tokens)
+        H, I, E, K = SHAPES[shape]
+        gen = torch.Generator("cuda").manual_seed(0)
+        x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+        idx, w = route(torch.randn(T, E, device="cuda", generator=gen), K)
+        w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
+        w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+        dy = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+        _, h = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
+        passes = {
+            "forward": lambda: lib.moe_forward(x, idx, w, w1, w2, "bf16", True),
+            "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, h, "bf16"),
+        }
+        for name, fn in passes.items():
+            per = kernel_times(fn, a.iters)
+            total = sum(per.values())
+            out[f"{shape}/{T} {name}"] = {"total_us": round(total, 1), "kernels_us": {k: round(v, 1) for k, v in per.items()}}
+            print(f"== {shape} T={T} {name}: {total:.1f} µs of kernels per call")
+            for k, v in per.items():
+                print(f"  {v:9.1f} µs {100 * v / total:5.1f}%  {k}")
+        del x, w1, w2, dy, h
+        torch.cuda.empty_cache()
+    if a.out:
+        json.dump({"device": torch.cuda.get_device_name(), "passes": out}, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
