@@ -4,7 +4,7 @@ between calls would time a faster clock). Variants alternate phase by phase with
 rounds, so drift in the power-capped clock falls on all of them alike.
 Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
            --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
-Prints and writes, per shape, tokens, stage (fc1, fc2, forward) and variant, the median ms of each round."""
+Prints and writes, per shape, tokens, stage (fc1, fc2, forward, backward) and variant, the median ms of each round."""
 import argparse
 import json
 import os
@@ -47,6 +47,7 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["qwen3-235b-a22b:8192", "qwen3-30b-a3b:16384"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--secs", type=float, default=1.0)
+    p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"])
     p.add_argument("--out")
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}
@@ -64,12 +65,16 @@ def main():
         xs = lib.gather_rows(x, r2s, K, None, s2r)
         act, h = lib.fc1_swiglu(xs, w1, off, True)
         rw = ops.row_weights(w, r2s)
+        dy = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+        _, fc1_out = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
         stages = {
             "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),
             "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
             "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
+            "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
         }
-        for stage, fn in stages.items():
+        for stage in a.stages:
+            fn = stages[stage]
             for r in range(a.rounds):
                 for name, env in a.variant:
                     for k in overridden:
@@ -80,7 +85,7 @@ def main():
             row = results[f"{shape}/{T} {stage}"]
             print(f"{shape}/{T} {stage:8}", "  ".join(f"{n} {statistics.median(v):.4f} {v}" for n, v in row.items()),
                   flush=True)
-        del x, w1, w2, xs, act, h
+        del x, w1, w2, xs, act, h, dy, fc1_out
         torch.cuda.empty_cache()
     if a.out:
         json.dump({"device": torch.cuda.get_device_name(), "variants": dict(a.variant), "ms": results},
