@@ -956,7 +956,12 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     config.attrs = &cluster;
     config.numAttrs = 1;
     int clusters = clusters_on[device].load(std::memory_order_relaxed);
-    if (clusters == 0) {
+    // Not asked inside a CUDA-graph capture (the query is not known to be capture-safe): launches captured
+    // before any eager one stay unpaired.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (clusters == 0 && cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+      cudaGetLastError();
+    } else if (clusters == 0 && capture == cudaStreamCaptureStatusNone) {
       if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0) {
         cudaGetLastError();  // no cluster of this kernel fits (or none can be asked for): the unpaired launch
         clusters = -1;

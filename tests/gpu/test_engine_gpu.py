@@ -2,6 +2,11 @@
 the reference shapes' sizes and on awkward expert row counts (empty experts, single rows,
 exact tile multiples, one expert with most rows), with poisoned output memory."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -122,6 +127,40 @@ def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, i
     }
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", "1", ops_under_test, "paired row blocks")
+
+
+FIRST_LAUNCH_IN_CAPTURE = textwrap.dedent("""
+    import sys
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    from engine_cases import engine_operands
+    import primemoe  # noqa: F401 (the ops)
+    ops = torch.ops.primemoe
+    gpu = engine_operands([300, 0, 700, 129, 1000, 64, 500, 2], 2048, 1536, seed=5, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    a.fill_(float("nan"))
+    h.fill_(float("nan"))
+    graph.replay()
+    a_eager, h_eager = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    torch.cuda.synchronize()
+    assert not a_eager.isnan().any() and not h_eager.isnan().any(), "NaN (unwritten output)"
+    assert torch.equal(a, a_eager) and torch.equal(h, h_eager), "the graph's replay differs from the eager launch"
+    print("ok")
+""")
+
+
+def test_first_paired_launch_inside_graph_capture():
+    """A process whose first FC1 launch (paired by default: ~23 row blocks x 12 column tiles) is captured into a
+    CUDA graph: the capture must not break (the launch asks nothing capture-unsafe and goes unpaired), and its
+    replay gives the bits of the eager, paired launch after it. In a fresh process, as the cluster occupancy is
+    asked once per process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PRIMEMOE_GEMM_PAIRS", "PRIMEMOE_GEMM_TILE_ORDER")}
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", FIRST_LAUNCH_IN_CAPTURE, tests_dir], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
 
 
 def test_gemm_overrides_are_checked(monkeypatch):
