@@ -16,8 +16,7 @@
 // each tile index to the consumers, otherwise they need no other communication. With paired row
 // blocks (GemmConfig::pair_rows) the CTAs of a 2-CTA cluster take two row blocks of one column tile,
 // and where both are one expert's, each producer loads half of the weight tile into both CTAs
-// (TMA multicast) once both CTAs' consumers have released the stage (while both blocks have k-slices, the
-// consumers arrive on both CTAs' empty barriers, each counting both CTAs' consumer warps). An expert's last
+// (TMA multicast) once both CTAs' consumers have released the stage; the consumers do not change. An expert's last
 // 64 rows (a half tile) are split along K between the consumers where the ring depth and
 // GemmConfig allow (see Pipeline and the consumers' comment), else multiplied as a full tile.
 #pragma once
@@ -86,6 +85,8 @@ struct SharedStorage {
   // Split half tiles: warpgroup 1's partial sums are in its staging boxes (exchange_full) / read (exchange_empty).
   uint64_t exchange_full;
   uint64_t exchange_empty;
+  // Paired row blocks (GemmConfig::pair_rows): the peer's producer found its own consumers done with the stage.
+  uint64_t pair_empty[Stages];
   // Paired and claimed: rank 0's producer passes each claimed pair to rank 1's (a two-slot ring in rank 1's
   // pair_work / pair_work_full, emptied into rank 0's pair_work_empty).
   int32_t pair_work[2];
@@ -149,11 +150,11 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return r;
 }
 
-// The address of `bar`'s copy in CTA `rank` of the cluster (shared::cluster window).
-__device__ __forceinline__ uint32_t cluster_addr(const void* bar, uint32_t rank) {
+// One arrival on the barrier at `bar`'s offset in CTA `rank` of the cluster.
+__device__ __forceinline__ void arrive_remote(uint64_t* bar, uint32_t rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
-  return remote;
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // The peer's copy of a shared int32, then an arrival on the peer's `bar` that releases it (cluster scope).
@@ -413,9 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     for (int s = 0; s < kStages; ++s) {
       // The TMA thread's arrival, plus one per gathering thread.
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], GatherA ? 129 : 1);
-      // One arrival per consumer warp; paired, also one per warp of the peer's (or, where the pair is not in
-      // step, a second one of this CTA's: the count stays the same for every tile).
-      cutlass::arch::ClusterBarrier::init(&smem.empty[s], kPairs && p.pair_rows ? 16 : 8);
+      cutlass::arch::ClusterBarrier::init(&smem.empty[s], 8);  // one arrival per consumer warp
     }
     if constexpr (gemm_claims_tiles(S, E, GatherA)) {
       for (int s = 0; s < 2; ++s) {
@@ -428,6 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       cutlass::arch::ClusterBarrier::init(&smem.exchange_empty, 128);
     }
     if constexpr (kPairs) {
+      for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);  // the peer's producer
       for (int s = 0; s < 2; ++s) {
         cutlass::arch::ClusterBarrier::init(&smem.pair_work_full[s], 1);   // rank 0's producer
         cutlass::arch::ClusterBarrier::init(&smem.pair_work_empty[s], 1);  // rank 1's producer
@@ -470,34 +470,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     return t + gridDim.x;
   };
-  // Paired: whether both blocks of the pair have k-slices, so that the two CTAs step through their rings together
-  // (routed blocks come first: rank 1's being routed makes rank 0's routed too; after a pair that is not in step, no
-  // pair of the cluster uses stages together again). Both CTAs decide alike, each from its own walker just past
-  // walker.at(t).
-  auto pair_in_step = [&](int64_t t, const Tile& tile) {
-    if constexpr (kPairs) {
-      if (p.pair_rows && tile.expert < args.num_experts) {
-        if (cluster_rank() == 1) return true;
-        const int32_t block = int32_t(t / walker.n_tiles);
-        const int32_t next = args.expert_offsets[tile.expert + 1];
-        return block + 1 < walker.expert_block + walker.blocks(next - args.expert_offsets[tile.expert]) ||
-               next < walker.routed_rows;
-      }
-    }
-    return false;
-  };
-  // Paired: whether the pair's two blocks are one routed expert's, so that they share its weight tile.
-  auto pair_shares = [&](int64_t t, const Tile& tile) {
-    if constexpr (kPairs) {
-      if (p.pair_rows && tile.expert < args.num_experts) {
-        const int32_t block = int32_t(t / walker.n_tiles);
-        const int32_t expert_blocks =
-            walker.blocks(args.expert_offsets[tile.expert + 1] - args.expert_offsets[tile.expert]);
-        return cluster_rank() == 0 ? block + 1 < walker.expert_block + expert_blocks : block > walker.expert_block;
-      }
-    }
-    return false;
-  };
   // The claimed index goes from the producer to the consumers through a two-slot ring: the n-th tile
   // uses slot n % 2 at parity n / 2 % 2 (the index past the last tile, too, so that everyone stops).
   // CUTLASS's barrier wait and arrive carry no memory clobber: the empty asm statements keep the
@@ -533,13 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     RingPos<kStages> pos;
     int32_t ready_expert = -1;
     uint32_t passed = 0;  // claimed order: tiles passed to the consumers
-    // Paired, the peer's consumers release this CTA's stages too (at cluster scope).
-    auto wait_empty = [&](int stage, uint32_t parity) {
-      if constexpr (kPairs) {
-        if (p.pair_rows) return wait_cluster(&smem.empty[stage], parity);
-      }
-      cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], parity);
-    };
+    uint32_t pair_phases = 0;  // paired: bit s is the parity of pair_empty[s]'s next phase
     // Paired and claimed: rank 0 claims each pair and passes it to rank 1 until rank 1's block of it does not exist
     // (past the last row block), after which rank 1 has stopped. handoffs counts the pairs passed / taken.
     uint32_t handoffs = 0;
@@ -575,7 +541,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       if (claimed) pass_tile(passed++, t);
       if (t >= walker.total) break;
       const Tile tile = walker.at(t);
-      const bool shared = pair_shares(t, tile);
+      // Both CTAs of a pair see that its two blocks are one routed expert's (then they share its weight tile).
+      bool shared = false;
+      if constexpr (kPairs) {
+        const int32_t block = int32_t(t / walker.n_tiles);
+        if (p.pair_rows && tile.expert < args.num_experts) {
+          const int32_t expert_blocks =
+              walker.blocks(args.expert_offsets[tile.expert + 1] - args.expert_offsets[tile.expert]);
+          shared = cluster_rank() == 0 ? block + 1 < walker.expert_block + expert_blocks : block > walker.expert_block;
+        }
+      }
       // The rows-ready hook (expert parallelism: rows are placed by the dispatch, never gathered).
       if (S == GemmSchedule::kRows && !GatherA && args.hook.counters != nullptr && tile.k_tiles > 0 &&
           tile.expert != ready_expert) {
@@ -599,7 +574,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
-        wait_empty(stage, pos.phase ^ 1);
+        cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], pos.phase ^ 1);
+        if (shared) {
+          // The peer's stage is written too: its consumers must be done with it as well. Each producer arrives on the
+          // other's pair_empty once its own consumers are, so a stage's next use waits for this one's on both sides.
+          arrive_remote(&smem.pair_empty[stage], cluster_rank() ^ 1);
+          cutlass::arch::ClusterBarrier::wait(&smem.pair_empty[stage], (pair_phases >> stage) & 1);
+          pair_phases ^= 1u << stage;
+        }
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
         bfloat16_t* sa = smem.a + stage * kSubTileElems;
         if (ptid == 0) {
@@ -647,14 +629,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
     }
     if constexpr (kPairs) {
-      // The peer's consumers arrive on this CTA's empty barriers: it leaves only once every stage's last use is
-      // released, so that no arrival finds it gone.
-      if (p.pair_rows) {
-        for (int i = 0; i < kStages; ++i) {
-          wait_empty(pos.stage, pos.phase ^ 1);
-          pos.step(1);
-        }
-      }
       // Rank 1 gives back every handoff but the last; the one before the last is waited for by no later handoff,
       // and rank 1's arrival on it must not find this CTA gone.
       if (claimed && p.pair_rows && cluster_rank() == 0 && handoffs >= 2) {
@@ -687,26 +661,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // (m64n128 per warpgroup, split along N) made ptxas serialise FC1's wgmma.
 
   // A stage goes back to the producer with one arrival per warp, once the warp's wgmma reading it
-  // are done; the count (bits 0-15 of `arrivals`) is 2 in a split half tile, whose stages only one warpgroup reads.
-  // Paired, the stage goes back to the CTA in bits 16 and up as well: the peer wherever the pair is in step
-  // (pair_in_step), not only where it shares the stage: the stage's next use may be shared, and the peer's multicast
-  // then writes this CTA's copy (releasing only shared uses let it overwrite a stage still to be read here: a hang);
-  // else this CTA a second time. (In a register of its own through the mainloop, that rank made ptxas spill and
-  // serialise the wgmma.)
-  auto release = [&](int s, uint32_t arrivals) {
+  // are done; `count` 2 in a split half tile, whose stages only one warpgroup reads.
+  auto release = [&](int s, uint32_t count) {
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
-      const uint32_t count = arrivals & 0xffff;
       asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&smem.empty[s])), "r"(count)
                    : "memory");
-      if constexpr (kPairs) {
-        if (p.pair_rows) {
-          asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0], %1;" ::"r"(
-                           cluster_addr(&smem.empty[s], arrivals >> 16)),
-                       "r"(count)
-                       : "memory");
-        }
-      }
     }
   };
   const int64_t n = args.n;
@@ -819,17 +779,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     if (tile.k_tiles == 0) clear(acc);
     const int32_t kt_first = split ? wg : 0;
     const int32_t kt_step = split ? 2 : 1;
-    uint32_t arrivals = split ? 2 : 1;
-    if constexpr (kPairs) {
-      if (p.pair_rows) arrivals |= (pair_in_step(t, tile) ? cluster_rank() ^ 1 : cluster_rank()) << 16;
-    }
+    const uint32_t arrivals = split ? 2 : 1;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
     RingPos<kStages> pos = ring;
     pos.step(kt_first);
-    // The first k-slice apart: the deferred round is stored behind its wgmma, and in the k-slices after it the
-    // round's registers are free (ptxas sees them dead through the steady loop).
-    auto k_slice = [&](auto first) {
+    for (int32_t kt = kt_first; kt < tile.k_tiles; kt += kt_step) {
       const int stage = pos.stage;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
       warpgroup_fence_operand(acc);
@@ -840,19 +795,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      if constexpr (decltype(first)::value) {
-        if (kLoadsQuarters && epilogue) prefetch_first_quarter();
-        if (kDeferred && holding) store_held();
-      }
+      if (kLoadsQuarters && epilogue && kt == kt_first) prefetch_first_quarter();
+      if (kDeferred && holding) store_held();
       // Keep one k-tile of wgmma in flight; the one before it is done, so its stage goes back.
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc);
-      if constexpr (!decltype(first)::value) release(prev_stage, arrivals);
+      if (prev_stage >= 0) release(prev_stage, arrivals);
       prev_stage = stage;
       pos.step(kt_step);
-    };
-    if (kt_first < tile.k_tiles) k_slice(std::true_type{});
-    for (int32_t kt = kt_first + kt_step; kt < tile.k_tiles; kt += kt_step) k_slice(std::false_type{});
+    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     if (prev_stage >= 0) release(prev_stage, arrivals);
