@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from primemoe import ops, route
+from layer_inputs import layer_inputs
+from primemoe import ops
 from primemoe.bench import SHAPES
 
 lib = torch.ops.primemoe
@@ -56,16 +57,11 @@ def main():
         shape, tokens = spec.split(":")
         T = int(tokens)
         H, I, E, K = SHAPES[shape]
-        gen = torch.Generator("cuda").manual_seed(0)
-        x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-        idx, w = route(torch.randn(T, E, device="cuda", generator=gen), K)
-        w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
-        w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+        x, idx, w, w1, w2, dy = layer_inputs(shape, T)
         cnt, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
         xs = lib.gather_rows(x, r2s, K, None, s2r)
         act, h = lib.fc1_swiglu(xs, w1, off, True)
         rw = ops.row_weights(w, r2s)
-        dy = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
         _, fc1_out = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
         stages = {
             "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),

@@ -5,7 +5,8 @@ averaged over the phase. Usage (on the GPU machine): OUT=<dir> python scripts/cl
 $OUT/clock_state.json. Fourteenth session: back to back, every sample carried reason 0x4 (software power cap)."""
 import subprocess, time, statistics, os, json
 import torch
-from primemoe import ops, route
+from layer_inputs import layer_inputs
+from primemoe import ops
 from primemoe.bench import SHAPES
 lib = torch.ops.primemoe
 fields = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
@@ -28,11 +29,7 @@ def phase(name, fn, secs=2.0, gap=0.0, flops=None):
     print(name, len(ms), round(statistics.median(ms), 3), flush=True)
 for shape, T in (("qwen3-235b-a22b", 8192), ("qwen3-235b-a22b", 16384), ("qwen3-30b-a3b", 8192)):
     H, I, E, K = SHAPES[shape]
-    gen = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-    idx, w = route(torch.randn(T, E, device="cuda", generator=gen), K)
-    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+    x, idx, w, w1, w2, _ = layer_inputs(shape, T)
     cnt, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, 64)
     xs = lib.gather_rows(x, r2s, K, None, s2r)
     a, h = lib.fc1_swiglu(xs, w1, off, True)

@@ -8,7 +8,8 @@ import argparse
 
 import torch
 
-from primemoe import ops, route
+from layer_inputs import layer_inputs
+from primemoe import ops
 from primemoe.bench import SHAPES
 
 lib = torch.ops.primemoe
@@ -20,16 +21,12 @@ args = parser.parse_args()
 H, I, E, K = SHAPES[args.shape]
 T = args.tokens
 
-gen = torch.Generator("cuda").manual_seed(0)
-x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-idx, w = route(torch.randn(T, E, device="cuda", generator=gen), K)
-w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
-w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+x, idx, w, w1, w2, dy = layer_inputs(args.shape, T)
 _, off, _, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
 xs = lib.gather_rows(x, r2s, K, None)
 rw = ops.row_weights(w, r2s)
 if args.dgrad:
-    dy_rows = lib.gather_rows(torch.randn(T, H, device="cuda", generator=gen).bfloat16(), r2s, K, None)
+    dy_rows = lib.gather_rows(dy, r2s, K, None)
     _, h = lib.fc1_swiglu(xs, w1, off, True)
     dh, _, _ = lib.fc2_dgrad_swiglu(dy_rows, w2, h, rw, off)
     for _ in range(2):

@@ -16,7 +16,8 @@ import statistics
 
 import torch
 
-from primemoe import ops, route
+from layer_inputs import layer_inputs
+from primemoe import ops
 from primemoe.bench import SHAPES, TARGET_SHAPES
 
 lib = torch.ops.primemoe
@@ -45,12 +46,7 @@ def timed_round_robin(fns, iters=20):
 
 def stages(shape, tokens, row_align):
     H, I, E, K = SHAPES[shape]
-    gen = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
-    idx, w = route(torch.randn(tokens, E, device="cuda", generator=gen), K)
-    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
-    dy = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
+    x, idx, w, w1, w2, dy = layer_inputs(shape, tokens)
     cnt, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, row_align)
     xs = lib.gather_rows(x, r2s, K, None, s2r)
     a, h = lib.fc1_swiglu(xs, w1, off, True)

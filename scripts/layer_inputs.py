@@ -1,0 +1,18 @@
+"""The single-GPU layer's inputs for the diagnostic scripts, so that they all time the same tensors: from one
+seeded CUDA generator, in this order, x, the router logits (top-k routing), w1, w2 and dy."""
+import torch
+
+from primemoe import route
+from primemoe.bench import SHAPES
+
+
+def layer_inputs(shape, tokens, seed=0):
+    """``(x, topk_idx, topk_weights, w1, w2, dy)`` of ``shape`` (a key of primemoe.bench.SHAPES) at ``tokens``."""
+    H, I, E, K = SHAPES[shape]
+    gen = torch.Generator("cuda").manual_seed(seed)
+    x = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
+    idx, w = route(torch.randn(tokens, E, device="cuda", generator=gen), K)
+    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
+    dy = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
+    return x, idx, w, w1, w2, dy
