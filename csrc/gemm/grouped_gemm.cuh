@@ -133,15 +133,16 @@ constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e, bool gather_a) 
 // Qwen3-235B T = 8192 FC1 from 3.07 to 2.86 ms and FC2 from 1.57 to 1.37 ms on the H200. Pairs got part of that:
 // 2.7% (FC1) and 1.3% (FC2) faster than the static order, but 0.8% and 1.1% slower than the claimed order the
 // heuristics pick there, which statically placed pairs gave up; at Qwen3-30B (static order) FC1 -1.0%, FC2 +1.5%.
-// Claimed pairs (rank 0's producer claims each pair and passes it to rank 1's, fifteenth session): FC1 -0.8%
-// against the claimed order at 235B T = 8192 and -1.2% at 30B T = 16384, FC2 +2.3% and -0.8% (gemm_pairs_pay).
+// Claimed pairs (rank 0's producer claims each pair and passes it to rank 1's, fifteenth session), against the
+// unpaired default order (claimed at 235B, static at 30B), back to back: 235B FC1 -0.8..-2.6%, FC2 +1.6..+2.3%,
+// 30B FC1 -1.2..0.0%, FC2 -0.8..+2.4% (gemm_pairs_pay).
 constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
   return s == GemmSchedule::kRows && b_k_major && !gather_a;
 }
 
-// Where the heuristics pair row blocks: FC1 (the SwiGLU epilogue), the one it measured faster on both shapes, with
-// more tiles than SMs (fewer leave SMs idle whatever the order). Not under the rows-ready hook: the expert-parallel
-// path has not been measured with pairs.
+// Where the heuristics pair row blocks: FC1 (the SwiGLU epilogue: faster at 235B, within noise at 30B; FC2 is
+// slower at 235B), with more tiles than SMs (fewer leave SMs idle whatever the order). Not under the rows-ready
+// hook: the expert-parallel path has not been measured with pairs.
 bool gemm_pairs_pay(const GroupedGemmArgs& args);
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).

@@ -153,9 +153,10 @@ FIRST_LAUNCH_IN_CAPTURE = textwrap.dedent("""
 
 def test_first_paired_launch_inside_graph_capture():
     """A process whose first FC1 launch (paired by default: ~23 row blocks x 12 column tiles) is captured into a
-    CUDA graph: the capture must not break (the launch asks nothing capture-unsafe and goes unpaired), and its
-    replay gives the bits of the eager, paired launch after it. In a fresh process, as the cluster occupancy is
-    asked once per process."""
+    CUDA graph, with every first-launch step of the host (kernel attributes, tensor maps, the cluster query,
+    which the launcher skips while capturing): the capture must not break, and its replay must give the bits
+    of the eager launch after it. In a fresh process, as those steps run once per process. (Which launch ran
+    paired is not visible from here.)"""
     env = {k: v for k, v in os.environ.items() if k not in ("PRIMEMOE_GEMM_PAIRS", "PRIMEMOE_GEMM_TILE_ORDER")}
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-c", FIRST_LAUNCH_IN_CAPTURE, tests_dir], capture_output=True, text=True,
