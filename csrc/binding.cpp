@@ -561,6 +561,8 @@ void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor&
   check_cuda(launch_ep_combine(a, c10::cuda::getCurrentCUDAStream()), "ep_combine");
 }
 
+int64_t paired_gemm_launches_op(int64_t device) { return paired_gemm_launches(static_cast<int>(device)); }
+
 std::vector<int64_t> take_error_op(int64_t device) {
   ErrorRecord rec{};
   if (!take_error(static_cast<int>(device), &rec)) return {};
@@ -963,6 +965,7 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets, Tensor? expert_rows=None) -> Tensor");
   m.def("expert_gemm_unsupported(int device, int hidden, int intermediate) -> str", &expert_gemm_unsupported_op);
   m.def("take_error(int device) -> int[]", &take_error_op);
+  m.def("paired_gemm_launches(int device) -> int", &paired_gemm_launches_op);
   m.def("describe_error(int[] record) -> str", &describe_error_op);
   m.def("nvshmem_unique_id() -> Tensor", &nvshmem_unique_id_op);
   m.def("nvshmem_init(Tensor unique_id, int rank, int world) -> ()", &nvshmem_init_op);

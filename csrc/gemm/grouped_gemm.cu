@@ -52,6 +52,8 @@ uint64_t weight_rows(const GroupedGemmArgs& a) {
   return a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
 }
 
+std::atomic<int64_t> paired_launches[kMaxDevices];
+
 // major * 10 + minor, asked once per device (every GEMM launch checks it).
 int compute_capability(int device) {
   static std::atomic<int> known[kMaxDevices];
@@ -99,6 +101,14 @@ int64_t max_output_tiles(const GroupedGemmArgs& a) {
 }
 
 }  // namespace
+
+int64_t paired_gemm_launches(int device) {
+  return device >= 0 && device < kMaxDevices ? paired_launches[device].load(std::memory_order_relaxed) : 0;
+}
+
+void count_paired_gemm_launch(int device) {
+  if (device >= 0 && device < kMaxDevices) paired_launches[device].fetch_add(1, std::memory_order_relaxed);
+}
 
 bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
   if (!shape_supported(a.schedule, a.epilogue, a.m, a.n, a.k, device, why)) return false;

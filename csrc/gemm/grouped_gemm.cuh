@@ -148,6 +148,11 @@ bool gemm_pairs_pay(const GroupedGemmArgs& args);
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).
 bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char** why);
 
+// Launches that ran as 2-CTA clusters (GemmConfig::pair_rows) on `device` since the process started, so that tests
+// can tell a paired launch from the unpaired fallback, whose results are the same bits.
+int64_t paired_gemm_launches(int device);
+void count_paired_gemm_launch(int device);
+
 // Whether the kernels cover every GEMM of an MoE layer with these sizes on this device (else *why).
 bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const char** why);
 

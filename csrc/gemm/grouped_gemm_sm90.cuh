@@ -971,8 +971,12 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     if (clusters > 0) {
       config.gridDim = dim3(2 * std::min(clusters, (grid + 1) / 2));
       err = cudaLaunchKernelEx(&config, kernel, params);
-      if (err != cudaSuccess) cudaGetLastError();  // returned here; left set, the next launch would report it
-      return err == cudaSuccess ? cudaGetLastError() : err;
+      if (err != cudaSuccess) {
+        cudaGetLastError();  // returned here; left set, the next launch would report it
+        return err;
+      }
+      count_paired_gemm_launch(device);
+      return cudaGetLastError();
     }
     GemmParams single = params;  // no cluster fits: every grid-th tile, each CTA loading its whole weight tile
     single.pair_rows = false;

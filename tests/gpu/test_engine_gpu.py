@@ -126,7 +126,10 @@ def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, i
         "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
     }
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
+    before = ops.paired_gemm_launches(torch.cuda.current_device())
     assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", "1", ops_under_test, "paired row blocks")
+    assert ops.paired_gemm_launches(torch.cuda.current_device()) == before + len(ops_under_test), \
+        "a launch asked to pair ran unpaired (no cluster launch)"
 
 
 FIRST_LAUNCH_IN_CAPTURE = textwrap.dedent("""
@@ -137,14 +140,17 @@ FIRST_LAUNCH_IN_CAPTURE = textwrap.dedent("""
     import primemoe  # noqa: F401 (the ops)
     ops = torch.ops.primemoe
     gpu = engine_operands([300, 0, 700, 129, 1000, 64, 500, 2], 2048, 1536, seed=5, device="cuda")
+    device = torch.cuda.current_device()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    assert ops.paired_gemm_launches(device) == 0, "the captured launch ran paired"
     a.fill_(float("nan"))
     h.fill_(float("nan"))
     graph.replay()
     a_eager, h_eager = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
     torch.cuda.synchronize()
+    assert ops.paired_gemm_launches(device) == 1, "the eager launch after the capture ran unpaired"
     assert not a_eager.isnan().any() and not h_eager.isnan().any(), "NaN (unwritten output)"
     assert torch.equal(a, a_eager) and torch.equal(h, h_eager), "the graph's replay differs from the eager launch"
     print("ok")
@@ -152,11 +158,11 @@ FIRST_LAUNCH_IN_CAPTURE = textwrap.dedent("""
 
 
 def test_first_paired_launch_inside_graph_capture():
-    """A process whose first FC1 launch (paired by default: ~23 row blocks x 12 column tiles) is captured into a
-    CUDA graph, with every first-launch step of the host (kernel attributes, tensor maps, the cluster query,
-    which the launcher skips while capturing): the capture must not break, and its replay must give the bits
-    of the eager launch after it. In a fresh process, as those steps run once per process. (Which launch ran
-    paired is not visible from here.)"""
+    """A process whose first FC1 launch (paired by default: 26 row blocks x 12 column tiles) is captured into a
+    CUDA graph, with every first-launch step of the host (kernel attributes, tensor maps): the capture must not
+    break, the captured launch runs unpaired (the launcher does not ask the cluster occupancy while capturing),
+    the eager launch after it paired, with the same bits. In a fresh process, as those steps run once per
+    process."""
     env = {k: v for k, v in os.environ.items() if k not in ("PRIMEMOE_GEMM_PAIRS", "PRIMEMOE_GEMM_TILE_ORDER")}
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-c", FIRST_LAUNCH_IN_CAPTURE, tests_dir], capture_output=True, text=True,
