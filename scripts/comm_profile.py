@@ -34,10 +34,11 @@ def _kernels(runner, inp, group, flush):
     return {name: (len(v) // PROFILED_ITERS, statistics.mean(v)) for name, v in times.items()}
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(bench.MULTICAST_OFF, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, init_method, args, queue):
+    os.environ.update(bench.MULTICAST_OFF)
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
     device = torch.device("cuda", rank)
     flush = torch.empty(bench.L2_FLUSH_BYTES, dtype=torch.int8, device=device)
@@ -77,11 +78,12 @@ def main() -> int:
         return 1
     import torch.multiprocessing as mp
     queue = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(_worker, args=(world, bench._free_port(), args, queue), nprocs=world, join=False,
-                               start_method="spawn")
-    results = dict(queue.get() for _ in range(world))  # before joining: a child exits once its result is read
-    while not procs.join():
-        pass
+    with bench.rendezvous() as init_method:
+        procs = mp.start_processes(_worker, args=(world, init_method, args, queue), nprocs=world, join=False,
+                                   start_method="spawn")
+        results = dict(queue.get() for _ in range(world))  # before joining: a child exits once its result is read
+        while not procs.join():
+            pass
     for case in results[0]:
         print(f"== {case}: {results[0][case]['remote_mb']:.1f} MB per direction (rank 0)")
         for rank in sorted(results):

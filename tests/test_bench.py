@@ -183,3 +183,20 @@ def test_git_commit_falls_back_to_the_environment_without_a_checkout(monkeypatch
     assert bench._git_commit() == "abc1234"
     monkeypatch.delenv("PRIMEMOE_GIT_COMMIT")
     assert bench._git_commit() is None
+
+
+def test_rendezvous_is_a_file_store_removed_afterwards():
+    """EP ranks meet over a file store in a fresh directory (no TCP port to lose to another process)."""
+    import torch.distributed as dist
+
+    with bench.rendezvous() as init_method:
+        assert init_method.startswith("file://")
+        directory = os.path.dirname(init_method[len("file://"):])
+        dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1)
+        try:
+            value = torch.ones(1)
+            dist.all_reduce(value)
+            assert value.item() == 1.0
+        finally:
+            dist.destroy_process_group()
+    assert not os.path.exists(directory)

@@ -18,6 +18,7 @@ Writes a progress line per case, a final table, and DIR/results.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -27,6 +28,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -531,10 +533,10 @@ def _progress(case: Case, result: dict, total: int) -> None:
         print(f"{head} {result['status']}: {result['note']}", flush=True)
 
 
-def _worker(rank: int, world: int, port: int, cases: list, args, total: int, results) -> None:
-    os.environ.update(MULTICAST_OFF, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, init_method: str, cases: list, args, total: int, results) -> None:
+    os.environ.update(MULTICAST_OFF)
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=NCCL_TIMEOUT,
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, timeout=NCCL_TIMEOUT,
                             device_id=torch.device("cuda", rank))
 
     def report(case, result):
@@ -546,10 +548,12 @@ def _worker(rank: int, world: int, port: int, cases: list, args, total: int, res
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def rendezvous():
+    """The ``init_method`` of one host's spawned ranks: a file store, removed afterwards. (A free TCP port picked
+    before the ranks start can be taken before rank 0 listens on it.)"""
+    with tempfile.TemporaryDirectory(prefix="primemoe-rendezvous-") as directory:
+        yield "file://" + os.path.join(directory, "store")
 
 
 def _run_ep(cases: list, args, total: int) -> list:
@@ -557,20 +561,21 @@ def _run_ep(cases: list, args, total: int) -> list:
     import torch.multiprocessing as mp
     ep = cases[0].ep
     results = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(_worker, args=(ep, _free_port(), cases, args, total, results),
-                               nprocs=ep, join=False, start_method="spawn")
     got, failure, done = {}, None, False
-    while not done:
-        try:
-            done = procs.join(timeout=1)
-        except Exception as exc:
-            failure, done = _error_text(exc), True
-        while True:  # drain while running: a full pipe would block the workers
+    with rendezvous() as init_method:
+        procs = mp.start_processes(_worker, args=(ep, init_method, cases, args, total, results),
+                                   nprocs=ep, join=False, start_method="spawn")
+        while not done:
             try:
-                index, result = results.get(timeout=0.1) if done else results.get_nowait()
-            except queue.Empty:
-                break
-            got[index] = result
+                done = procs.join(timeout=1)
+            except Exception as exc:
+                failure, done = _error_text(exc), True
+            while True:  # drain while running: a full pipe would block the workers
+                try:
+                    index, result = results.get(timeout=0.1) if done else results.get_nowait()
+                except queue.Empty:
+                    break
+                got[index] = result
     for case in cases:
         if case.index not in got:
             got[case.index] = (_result(case, "n/a", case.skip) if case.skip else
