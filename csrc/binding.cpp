@@ -257,8 +257,11 @@ at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot
 at::Tensor gather_rows_cpu(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
                            const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row) {
   check_gather_args(src, row_to_slot, top_k, scale, slot_to_row);
-  const auto valid = row_to_slot.ge(0);
-  const auto slot = row_to_slot.clamp_min(0).to(at::kLong);
+  const int64_t slots = src.size(0) * top_k;
+  if (slots == 0) return at::zeros({row_to_slot.size(0), src.size(1)}, src.options());
+  // A slot outside [0, T * K) gives a zero row, as on the GPU.
+  const auto valid = row_to_slot.ge(0).logical_and(row_to_slot.lt(slots));
+  const auto slot = row_to_slot.clamp(0, slots - 1).to(at::kLong);
   auto rows = src.index_select(0, slot.div(top_k, "floor")).to(at::kFloat);
   if (scale.has_value()) rows = rows * scale->reshape({-1}).to(at::kFloat).index_select(0, slot).unsqueeze(1);
   return at::where(valid.unsqueeze(1), rows, at::zeros({}, rows.options())).to(src.scalar_type());

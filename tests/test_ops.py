@@ -340,6 +340,15 @@ def test_gather_rows_semantics(problem, scale_dtype):
         assert torch.equal(got[r], want), f"row {r} (slot {s})"
 
 
+def test_gather_rows_gives_zeros_for_slots_past_the_tokens():
+    """As on the GPU: a row naming no slot of the T * K (past them, or -1) is zeros; no tokens, all zeros."""
+    x = torch.randn(3, 16).bfloat16()
+    got = ops.gather_rows(x, torch.tensor([5, 6, 2 ** 31 - 1, -1, 0], dtype=torch.int32), 2, None)
+    assert torch.equal(got[0], x[2]) and torch.equal(got[4], x[0]) and not got[1:4].any()
+    empty = ops.gather_rows(x[:0], torch.tensor([0, -1], dtype=torch.int32), 2, None)
+    assert empty.shape == (2, 16) and not empty.any()
+
+
 @pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
 def test_combine_reduce_semantics(problem, weight_dtype):
     slot_to_row = layout(problem.topk_idx)[2]
