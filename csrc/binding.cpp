@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -260,8 +261,9 @@ at::Tensor gather_rows_cpu(const at::Tensor& src, const at::Tensor& row_to_slot,
   const int64_t slots = src.size(0) * top_k;
   if (slots == 0) return at::zeros({row_to_slot.size(0), src.size(1)}, src.options());
   // A slot outside [0, T * K) gives a zero row, as on the GPU.
-  const auto valid = row_to_slot.ge(0).logical_and(row_to_slot.lt(slots));
-  const auto slot = row_to_slot.clamp(0, slots - 1).to(at::kLong);
+  const auto slot_ids = row_to_slot.to(at::kLong);  // T * K may pass int32
+  const auto valid = slot_ids.ge(0).logical_and(slot_ids.lt(slots));
+  const auto slot = slot_ids.clamp(0, slots - 1);
   auto rows = src.index_select(0, slot.div(top_k, "floor")).to(at::kFloat);
   if (scale.has_value()) rows = rows * scale->reshape({-1}).to(at::kFloat).index_select(0, slot).unsqueeze(1);
   return at::where(valid.unsqueeze(1), rows, at::zeros({}, rows.options())).to(src.scalar_type());
@@ -564,11 +566,16 @@ void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor&
   check_cuda(launch_ep_combine(a, c10::cuda::getCurrentCUDAStream()), "ep_combine");
 }
 
-int64_t paired_gemm_launches_op(int64_t device) { return paired_gemm_launches(static_cast<int>(device)); }
+// Device indices past int are no device (cast, one could name device 0).
+bool is_device_index(int64_t device) { return device >= 0 && device <= std::numeric_limits<int>::max(); }
+
+int64_t paired_gemm_launches_op(int64_t device) {
+  return is_device_index(device) ? paired_gemm_launches(static_cast<int>(device)) : 0;
+}
 
 std::vector<int64_t> take_error_op(int64_t device) {
   ErrorRecord rec{};
-  if (!take_error(static_cast<int>(device), &rec)) return {};
+  if (!is_device_index(device) || !take_error(static_cast<int>(device), &rec)) return {};
   return {rec.code, rec.value, rec.limit, rec.index0, rec.index1};
 }
 

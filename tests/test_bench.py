@@ -185,10 +185,12 @@ def test_git_commit_falls_back_to_the_environment_without_a_checkout(monkeypatch
     assert bench._git_commit() is None
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_rendezvous_is_a_file_store_removed_afterwards():
     """EP ranks meet over a file store in a fresh directory (no TCP port to lose to another process)."""
     import torch.distributed as dist
 
+    assert not dist.is_initialized()
     with bench.rendezvous() as init_method:
         assert init_method.startswith("file://")
         directory = os.path.dirname(init_method[len("file://"):])

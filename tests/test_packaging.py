@@ -39,11 +39,12 @@ def test_gemm_instantiation_files_are_current():
 def test_take_error_is_empty_on_a_fresh_device_index():
     # No kernel ever ran against device 7 in this process: there is no record to report.
     assert torch.ops.primemoe.take_error(7) == []
+    assert torch.ops.primemoe.take_error(1 << 32) == []  # not device 0's record, cast
 
 
 def test_no_paired_gemm_launch_is_counted_without_one():
     # Nothing launched on device 7 in this process; indices outside the per-device counters read 0 too.
-    assert [torch.ops.primemoe.paired_gemm_launches(d) for d in (7, -1, 1 << 20)] == [0, 0, 0]
+    assert [torch.ops.primemoe.paired_gemm_launches(d) for d in (7, -1, 1 << 20, 1 << 32)] == [0, 0, 0, 0]
 
 
 def test_check_errors_is_quiet_without_errors():

@@ -148,8 +148,9 @@ bool gemm_pairs_pay(const GroupedGemmArgs& args);
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).
 bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char** why);
 
-// Launches that ran as 2-CTA clusters (GemmConfig::pair_rows) on `device` since the process started, so that tests
-// can tell a paired launch from the unpaired fallback, whose results are the same bits.
+// Launches issued as 2-CTA clusters (GemmConfig::pair_rows) on `device` since the process started (captured ones
+// included, graph replays not), so that tests can tell a paired launch from the unpaired fallback, whose results
+// are the same bits.
 int64_t paired_gemm_launches(int device);
 void count_paired_gemm_launch(int device);
 
