@@ -150,21 +150,16 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return r;
 }
 
-// One arrival on the barrier at `bar`'s offset in CTA `rank` of the cluster.
-__device__ __forceinline__ void arrive_remote(uint64_t* bar, uint32_t rank) {
+// The address of `p`'s copy in CTA `rank` of the cluster (the shared::cluster window).
+__device__ __forceinline__ uint32_t cluster_addr(const void* p, uint32_t rank) {
   uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+  return remote;
 }
 
-// The peer's copy of a shared int32, then an arrival on the peer's `bar` that releases it (cluster scope).
-__device__ __forceinline__ void put_remote(int32_t* slot, uint64_t* bar, int32_t v, uint32_t rank) {
-  uint32_t remote_slot;
-  uint32_t remote_bar;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_slot) : "r"(smem_addr(slot)), "r"(rank));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(smem_addr(bar)), "r"(rank));
-  asm volatile("st.shared::cluster.b32 [%0], %1;" ::"r"(remote_slot), "r"(v) : "memory");
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
+// One arrival on the barrier at `bar`'s offset in CTA `rank` of the cluster.
+__device__ __forceinline__ void arrive_remote(uint64_t* bar, uint32_t rank) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr(bar, rank)) : "memory");
 }
 
 // Waits for a phase of a barrier that another CTA of the cluster completes (acquire at cluster scope).
@@ -180,9 +175,14 @@ __device__ __forceinline__ void wait_cluster(uint64_t* bar, uint32_t parity) {
 
 // An arrival on the peer's `bar` that releases this thread's earlier accesses at cluster scope.
 __device__ __forceinline__ void arrive_remote_release(uint64_t* bar, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr(bar, rank))
+               : "memory");
+}
+
+// The peer's copy of a shared int32, then an arrival on the peer's `bar` that releases it.
+__device__ __forceinline__ void put_remote(int32_t* slot, uint64_t* bar, int32_t v, uint32_t rank) {
+  asm volatile("st.shared::cluster.b32 [%0], %1;" ::"r"(cluster_addr(slot, rank)), "r"(v) : "memory");
+  arrive_remote_release(bar, rank);
 }
 
 __device__ __forceinline__ void cluster_sync() {
