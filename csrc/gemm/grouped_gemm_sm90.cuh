@@ -926,6 +926,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 #endif
 }
 
+// Whether `stream` is capturing a CUDA graph (a failed query, cleared, counts as capturing).
+inline bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess) return capture != cudaStreamCaptureStatusNone;
+  cudaGetLastError();
+  return true;
+}
+
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
   static_assert(kSmemBytes<S, E> <= 227 * 1024, "shared memory ring too large");
@@ -958,10 +966,7 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     int clusters = clusters_on[device].load(std::memory_order_relaxed);
     // Not asked inside a CUDA-graph capture (the query is not known to be capture-safe): launches captured
     // before any eager one stay unpaired.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (clusters == 0 && cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
-      cudaGetLastError();
-    } else if (clusters == 0 && capture == cudaStreamCaptureStatusNone) {
+    if (clusters == 0 && !stream_capturing(stream)) {
       if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0) {
         cudaGetLastError();  // no cluster of this kernel fits (or none can be asked for): the unpaired launch
         clusters = -1;
@@ -978,12 +983,11 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
       count_paired_gemm_launch(device);
       return cudaGetLastError();
     }
-    GemmParams single = params;  // no cluster fits: every grid-th tile, each CTA loading its whole weight tile
-    single.pair_rows = false;
-    kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(single);
-    return cudaGetLastError();
   }
-  kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(params);
+  // Unpaired, also where a paired launch finds no cluster: every grid-th tile, each CTA loading its whole weight tile.
+  GemmParams unpaired = params;
+  unpaired.pair_rows = false;
+  kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(unpaired);
   return cudaGetLastError();
 }
 
