@@ -653,7 +653,7 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
   const GemmConfig config = choose_gemm_config(g, tile_order_from_env(), pair_rows_from_env());
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
-  if (config.claim_tiles && args.tile_counter == nullptr) {
+  if (config.claim_tiles) {
     counter = at::zeros({1}, like.options().dtype(at::kInt));
     args.tile_counter = counter.data_ptr<int32_t>();
   }
@@ -800,26 +800,6 @@ void check_fc1_gather_args(const at::Tensor& x, const at::Tensor& row_to_slot, i
                  row_to_slot.numel());
 }
 
-// PRIMEMOE_FC1_GATHER=producer: fc1_swiglu_gather copies the rows in the GEMM's producer warpgroup; otherwise
-// (unset, overlap) a counted gather runs on PRIMEMOE_GATHER_SMS SMs (default 16) alongside FC1 on the others, whose
-// producer waits per expert for its rows. Read at every call.
-bool fc1_gathers_in_producer() {
-  const char* mode = std::getenv("PRIMEMOE_FC1_GATHER");
-  if (mode == nullptr || *mode == '\0') return false;
-  const std::string m(mode);
-  PRIMEMOE_CHECK(m == "producer" || m == "overlap" || m == "separate",
-                 "PRIMEMOE_FC1_GATHER: expected producer, overlap or separate, got '", m, "'");
-  return m == "producer";
-}
-
-int gather_sms(int num_sms) {
-  const char* sms = std::getenv("PRIMEMOE_GATHER_SMS");
-  const int64_t n = sms == nullptr || *sms == '\0' ? 16 : std::atoll(sms);
-  PRIMEMOE_CHECK(n >= 1 && n < num_sms, "PRIMEMOE_GATHER_SMS: expected 1 to ", num_sms - 1, ", got '",
-                 sms == nullptr ? "" : sms, "'");
-  return static_cast<int>(n);
-}
-
 std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cuda(const at::Tensor& x, const at::Tensor& row_to_slot,
                                                           int64_t top_k, const at::Tensor& w1,
                                                           const at::Tensor& offsets, bool keep_fc1) {
@@ -831,42 +811,11 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cuda(const at::Tensor& x, c
   auto h = at::empty({keep_fc1 ? rows : 0, 2 * inter}, x.options());
   if (rows == 0) return {a, h};
   if (x.size(0) == 0) return {a.zero_(), h.zero_()};
-  if (fc1_gathers_in_producer()) {
-    auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, x, w1, true, 0, inter, x.size(1), offsets, a);
-    g.num_rows = rows;
-    g.a_row_src = row_to_slot.data_ptr<int32_t>();
-    g.a_src_div = static_cast<int32_t>(top_k);
-    g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
-    run_gemm(g, x, "fc1_swiglu_gather");
-    return {a, h};
-  }
-  const int64_t experts = w1.size(0);
-  // Zeroed before the gather, so that nothing runs between it and FC1: rows written per expert, FC1's tile counter.
-  auto counts = at::zeros({experts + 1}, x.options().dtype(at::kLong));
-  auto xs = at::empty({rows, x.size(1)}, x.options());
-  auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, xs, w1, true, 0, inter, x.size(1), offsets, a);
+  auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, x, w1, true, 0, inter, x.size(1), offsets, a);
+  g.num_rows = rows;
+  g.a_row_src = row_to_slot.data_ptr<int32_t>();
+  g.a_src_div = static_cast<int32_t>(top_k);
   g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
-  g.hook.counters = reinterpret_cast<const uint64_t*>(counts.data_ptr<int64_t>());
-  g.hook.timeout_ns = wait_timeout_ns();
-  g.error = error_record_for(x);
-  g.tile_counter = reinterpret_cast<int32_t*>(counts.data_ptr<int64_t>() + experts);
-  g.starts_early = true;
-  const char* why = "";
-  PRIMEMOE_CHECK(grouped_gemm_supported(g, x.get_device(), &why), "primemoe: fc1_swiglu_gather: ", why);
-  GatherRowsArgs ga{};
-  ga.src = x.data_ptr();
-  ga.row_to_slot = row_to_slot.data_ptr<int32_t>();
-  ga.scale_type = ScaleType::kNone;
-  ga.dst = xs.data_ptr();
-  ga.num_rows = rows;
-  ga.num_tokens = x.size(0);
-  ga.hidden = static_cast<int32_t>(x.size(1));
-  ga.top_k = static_cast<int32_t>(top_k);
-  const GatherCount count{offsets.data_ptr<int32_t>(), static_cast<int32_t>(experts),
-                          reinterpret_cast<uint64_t*>(counts.data_ptr<int64_t>())};
-  check_cuda(launch_gather_rows_counted(ga, count, gather_sms(g.num_sms), c10::cuda::getCurrentCUDAStream()),
-             "fc1_swiglu_gather");
-  // xs and counts are freed on return, after FC1 in stream order: FC1 ends only once every counted row is written.
   run_gemm(g, x, "fc1_swiglu_gather");
   return {a, h};
 }

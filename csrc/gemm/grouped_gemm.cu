@@ -155,8 +155,7 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 constexpr uint64_t kClaimTilesAboveWeightBytes = uint64_t(8) << 20;
 
 bool gemm_pairs_pay(const GroupedGemmArgs& a) {
-  const bool remote_hook = a.hook.counters != nullptr && a.hook.epoch != nullptr;
-  return a.epilogue == GemmEpilogue::kSwiGLU && !remote_hook && max_output_tiles(a) > a.num_sms;
+  return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && max_output_tiles(a) > a.num_sms;
 }
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs) {
@@ -165,9 +164,8 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
   config.split_half_tiles = true;
   // At most one tile per CTA (small batches): the order cannot matter, so no counter is zeroed.
   const bool pays = weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_output_tiles(a) > a.num_sms;
-  // Started early, some CTAs join late (their SMs are busy with the previous kernel): claiming lets them.
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
-                       (order == TileOrder::kClaimed || (order == TileOrder::kAuto && (pays || a.starts_early)));
+                       (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) &&
                      (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
   return config;
@@ -176,7 +174,6 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& config, cudaStream_t stream) {
   using namespace sm90;
   if (config.claim_tiles && a.tile_counter == nullptr) return cudaErrorInvalidValue;
-  if (a.starts_early && a.hook.counters == nullptr) return cudaErrorInvalidValue;
   GemmParams params{};
   params.args = a;
   params.split_half_tiles = config.split_half_tiles;

@@ -42,9 +42,7 @@ enum class GemmEpilogue : int32_t {
 // columns, which make 128 activation columns.
 constexpr int32_t gemm_tile_n(GemmEpilogue e) { return e == GemmEpilogue::kSwiGLU ? 128 : kGemmTileN; }
 
-// Producer-side wait before an expert's first rows are loaded: counters[e] >= *epoch * per_epoch, or, without
-// an epoch, counters[e] >= the expert's rows (expert_offsets[e + 1] - expert_offsets[e]): the overlapped gather
-// counts the rows it has written.
+// Producer-side wait before an expert's first rows are loaded: counters[e] >= *epoch * per_epoch.
 struct RowsReadyHook {
   const uint64_t* counters = nullptr;  // null: rows are already in memory
   const int64_t* epoch = nullptr;
@@ -94,10 +92,6 @@ struct GroupedGemmArgs {
   RowsReadyHook hook;
   // Zero at launch where GemmConfig::claim_tiles is set (the tile claim counter), else unused.
   int32_t* tile_counter;
-  // Launched as a programmatic dependent of the stream's previous kernel: it may start while that kernel runs
-  // (on the SMs it leaves free; the rest join as it ends, so the tiles are claimed), and reads nothing that
-  // kernel writes except through the hook (which must then be set).
-  bool starts_early;
   ErrorRecord* error;
   int32_t num_sms;
 };
@@ -147,8 +141,8 @@ constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
 }
 
 // Where the heuristics pair row blocks: FC1 (the SwiGLU epilogue: faster at 235B, within noise at 30B; FC2 is
-// slower at 235B), with more tiles than SMs (fewer leave SMs idle whatever the order). Not under the expert-parallel
-// path's rows-ready hook (with an epoch): it has not been measured with pairs; the overlapped gather's hook pairs.
+// slower at 235B), with more tiles than SMs (fewer leave SMs idle whatever the order). Not under the rows-ready
+// hook: the expert-parallel path has not been measured with pairs.
 bool gemm_pairs_pay(const GroupedGemmArgs& args);
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).

@@ -551,13 +551,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           shared = cluster_rank() == 0 ? block + 1 < walker.expert_block + expert_blocks : block > walker.expert_block;
         }
       }
-      // The rows-ready hook (rows placed by the dispatch, or by the gather running alongside; never gathered here).
+      // The rows-ready hook (expert parallelism: rows are placed by the dispatch, never gathered).
       if (S == GemmSchedule::kRows && !GatherA && args.hook.counters != nullptr && tile.k_tiles > 0 &&
           tile.expert != ready_expert) {
-        const uint64_t target =
-            args.hook.epoch != nullptr
-                ? uint64_t(*args.hook.epoch) * args.hook.per_epoch
-                : uint64_t(args.expert_offsets[tile.expert + 1] - args.expert_offsets[tile.expert]);
+        const uint64_t target = uint64_t(*args.hook.epoch) * args.hook.per_epoch;
         wait_at_least(args.hook.counters + tile.expert, target, args.hook.timeout_ns, args.error, args.hook.rank, -1,
                       tile.expert, kWaitGemmRows);
         asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -951,25 +948,20 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     smem_set_on[device].store(true, std::memory_order_release);
   }
-  // Programmatic dependent launch (GroupedGemmArgs::starts_early): CTAs start on the SMs the previous kernel
-  // leaves free; the kernel never waits for that kernel (griddepcontrol.wait), only on its hook.
-  cudaLaunchAttribute attrs[2]{};
-  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[0].val.programmaticStreamSerializationAllowed = 1;
-  attrs[1].id = cudaLaunchAttributeClusterDimension;
-  attrs[1].val.clusterDim.x = 2;
-  attrs[1].val.clusterDim.y = 1;
-  attrs[1].val.clusterDim.z = 1;
-  const bool early = params.args.starts_early;
-  cudaLaunchConfig_t config{};
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes<S, E>;
-  config.stream = stream;
   if (params.pair_rows) {
     // 2-CTA clusters, as many as fit at once (1 CTA per SM), asked once per device and variant.
     static std::atomic<int> clusters_on[kMaxDevices];
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
     config.gridDim = dim3(2 * ((grid + 1) / 2));
-    config.attrs = &attrs[1];
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = kSmemBytes<S, E>;
+    config.stream = stream;
+    config.attrs = &cluster;
     config.numAttrs = 1;
     int clusters = clusters_on[device].load(std::memory_order_relaxed);
     // Not asked inside a CUDA-graph capture (the query is not known to be capture-safe): launches captured
@@ -983,8 +975,6 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     }
     if (clusters > 0) {
       config.gridDim = dim3(2 * std::min(clusters, (grid + 1) / 2));
-      config.attrs = early ? &attrs[0] : &attrs[1];
-      config.numAttrs = early ? 2 : 1;
       err = cudaLaunchKernelEx(&config, kernel, params);
       if (err != cudaSuccess) {
         cudaGetLastError();  // returned here; left set, the next launch would report it
@@ -997,12 +987,8 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
   // Unpaired, also where a paired launch finds no cluster: every grid-th tile, each CTA loading its whole weight tile.
   GemmParams unpaired = params;
   unpaired.pair_rows = false;
-  config.gridDim = dim3(grid);
-  config.attrs = attrs;
-  config.numAttrs = early ? 1 : 0;
-  err = cudaLaunchKernelEx(&config, kernel, unpaired);
-  if (err != cudaSuccess) cudaGetLastError();
-  return err;
+  kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(unpaired);
+  return cudaGetLastError();
 }
 
 }  // namespace primemoe::sm90

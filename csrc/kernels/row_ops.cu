@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-#include "chained_launch.cuh"
 #include "row_ops.cuh"
 
 namespace primemoe {
@@ -197,59 +196,6 @@ __global__ void __launch_bounds__(kRowThreads) slot_dot_kernel(SlotDotArgs a) {
   }
 }
 
-// The gather that runs alongside FC1 (launch_gather_rows_counted): a few whole SMs (one block of 32 warps each, at
-// most 64 registers so no second block fits) take 8-row chunks of the routed rows in order, so the first experts
-// complete first, and count each chunk in rows_done[e] (release) once its stores are visible; FC1's producer waits for
-// an expert's count (RowsReadyHook without an epoch). Chunks never straddle experts (offsets are multiples of 64).
-constexpr int kCountedThreads = 1024;
-constexpr int kCountedChunk = 8;
-
-__global__ void __launch_bounds__(kCountedThreads, 1) gather_rows_counted_kernel(GatherRowsArgs a,
-                                                                                 GatherCount count) {
-  allow_next_kernel();  // FC1 may start now, on the SMs this grid leaves free
-  const int vecs = a.hidden / kVec, lane = threadIdx.x % 32;
-  const int64_t slots = a.num_tokens * a.top_k;
-  const int64_t warps = int64_t(gridDim.x) * (kCountedThreads / 32);
-  const int64_t routed = min(int64_t(count.expert_offsets[count.num_experts]), a.num_rows);
-  uint4* dst = static_cast<uint4*>(a.dst);
-  const uint4* src = static_cast<const uint4*>(a.src);
-  int32_t e = 0;
-  for (int64_t c = int64_t(blockIdx.x) * (kCountedThreads / 32) + threadIdx.x / 32; (c + 1) * kCountedChunk <= routed;
-       c += warps) {
-    const int64_t r0 = c * kCountedChunk;
-    while (e + 1 < count.num_experts && count.expert_offsets[e + 1] <= r0) ++e;
-    int32_t my_token = -1;
-    if (lane < kCountedChunk) {
-      const int32_t slot = a.row_to_slot[r0 + lane];
-      my_token = slot >= 0 && slot < slots ? int32_t(slot / a.top_k) : -1;
-    }
-    for (int i = 0; i < kCountedChunk; ++i) {
-      const int32_t token = __shfl_sync(0xffffffffu, my_token, i);
-      uint4* out = dst + (r0 + i) * vecs;
-      const uint4* in = src + int64_t(token) * vecs;
-      for (int base = 0; base < vecs; base += 32 * kGatherUnroll) {
-        uint4 buf[kGatherUnroll];
-#pragma unroll
-        for (int u = 0; u < kGatherUnroll; ++u) {
-          const int v = base + 32 * u + lane;
-          if (v < vecs) buf[u] = token >= 0 ? __ldg(in + v) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < kGatherUnroll; ++u) {
-          const int v = base + 32 * u + lane;
-          if (v < vecs) out[v] = buf[u];
-        }
-      }
-    }
-    __threadfence();
-    __syncwarp();
-    if (lane == 0) {
-      asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(count.rows_done + e), "l"(uint64_t(kCountedChunk))
-                   : "memory");
-    }
-  }
-}
-
 constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread
 
@@ -296,14 +242,6 @@ cudaError_t launch_gather_rows(const GatherRowsArgs& a, cudaStream_t stream) {
   const int grid = grid_for((warps + kWarps - 1) / kWarps, kWarpThreads);
   if (a.scale_type == ScaleType::kNone) gather_rows_kernel<false><<<grid, kWarpThreads, 0, stream>>>(a);
   else gather_rows_kernel<true><<<grid, kWarpThreads, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_gather_rows_counted(const GatherRowsArgs& a, const GatherCount& count, int sms,
-                                       cudaStream_t stream) {
-  if (a.hidden % kVec || a.scale_type != ScaleType::kNone || sms < 1) return cudaErrorInvalidValue;
-  if (a.num_rows == 0) return cudaSuccess;
-  gather_rows_counted_kernel<<<sms, kCountedThreads, 0, stream>>>(a, count);
   return cudaGetLastError();
 }
 

@@ -26,14 +26,6 @@ struct GatherRowsArgs {
   int32_t top_k;
 };
 
-// The counted gather (launch_gather_rows_counted): rows [0, expert_offsets[E]) of dst are written (rows past it are
-// not) and rows_done[e] (zero at launch) grows to expert e's row count as they become visible.
-struct GatherCount {
-  const int32_t* expert_offsets;  // [num_experts + 1], multiples of 64
-  int32_t num_experts;
-  uint64_t* rows_done;  // [num_experts]
-};
-
 // y[t] = sum_k weight[t,k] * rows[slot_to_row[t*K+k]] over slots with a row.
 struct CombineReduceArgs {
   const void* rows;  // [R, H] bf16
@@ -71,10 +63,6 @@ struct CopyRoutedRowsArgs {
 cudaError_t launch_invert_row_to_slot(const int32_t* row_to_slot, int64_t num_rows, int64_t num_slots,
                                       int32_t* slot_to_row, cudaStream_t stream);
 cudaError_t launch_gather_rows(const GatherRowsArgs& args, cudaStream_t stream);
-// On `sms` blocks of one SM each, for a kernel launched after it with GroupedGemmArgs::starts_early to use the
-// rest; unscaled only (slot_to_row is not read).
-cudaError_t launch_gather_rows_counted(const GatherRowsArgs& args, const GatherCount& count, int sms,
-                                       cudaStream_t stream);
 cudaError_t launch_combine_reduce(const CombineReduceArgs& args, cudaStream_t stream);
 cudaError_t launch_slot_dot(const SlotDotArgs& args, cudaStream_t stream);
 cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& args, cudaStream_t stream);

@@ -12,12 +12,9 @@ weighted rows. The engine's ops:
 - ``fc1_swiglu``: FC1 with SwiGLU in the epilogue over rows in expert-major order
   (pre-activations kept on request), with the producer's wait on arrival counters for
   expert parallelism;
-- ``fc1_swiglu_gather``: the same over the tokens themselves, the layer's FC1: a counted
-  gather on a few SMs (``PRIMEMOE_GATHER_SMS``, default 16) writes the expert-major rows,
-  experts in order, while FC1 runs on the other SMs (launched as a programmatic dependent)
-  and its producer waits for each expert's rows; ``PRIMEMOE_FC1_GATHER=producer`` copies the
-  rows in FC1's producer warpgroup instead (slower on the H200), ``separate`` makes the
-  layer run ``gather_rows`` and then ``fc1_swiglu`` (benchmarks/RESULTS.md);
+- ``fc1_swiglu_gather``: the same with its A rows gathered from the tokens by the
+  producer warpgroup's cp.async copies; not used by the layer, because on the H200 the
+  separate ``gather_rows`` + TMA loads measured faster (benchmarks/RESULTS.md);
 - ``expert_gemm``: FC2 forward (routing weight applied in the epilogue) and FC1 dgrad;
 - ``fc2_dgrad_swiglu``: FC2 dgrad with the SwiGLU backward, the routing weight and the
   ``<da, a>`` routing-weight gradient partials in the epilogue;
@@ -257,10 +254,8 @@ def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine, ro
     _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, row_align)
     if T * K == 0:
         return x.new_zeros(T, H), x.new_zeros(row_to_slot.numel() if keep_fc1 else 0, two_i)
-    if engine and row_align == ROW_ALIGN and os.environ.get("PRIMEMOE_FC1_GATHER") != "separate":
-        a, h = lib.fc1_swiglu_gather(x, row_to_slot, K, w1, offsets, keep_fc1)
-    else:
-        a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None, slot_to_row), w1, offsets, keep_fc1, engine)
+    # Not fc1_swiglu_gather: on the H200 the separate gather + TMA loads are faster (benchmarks/RESULTS.md).
+    a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None, slot_to_row), w1, offsets, keep_fc1, engine)
     o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine)
     return lib.combine_reduce(o, slot_to_row, None), h
 

@@ -167,20 +167,6 @@ def test_claimed_tile_order_matches_reference(routing):
     check_against_reference(primemoe.moe, make_problem(700, *CLAIMING, routing=routing, seed=30, device="cuda"))
 
 
-@pytest.mark.parametrize("routing", ["skewed", "masked", "one_expert"])
-def test_fc1_gather_modes_give_the_same_bits(monkeypatch, routing):
-    """The layer's FC1 over the tokens: the counted gather alongside FC1 (the default; on one SM, FC1's producer
-    waits for nearly every expert), the producer's copies, and gather_rows before fc1_swiglu give the same bits."""
-    problem = make_problem(4095, *CLAIMING, routing=routing, seed=31, device="cuda")
-    monkeypatch.setenv("PRIMEMOE_FC1_GATHER", "separate")
-    separate = run_moe(primemoe.moe, problem)
-    for mode, sms in [("overlap", "16"), ("overlap", "1"), ("producer", "16")]:
-        monkeypatch.setenv("PRIMEMOE_FC1_GATHER", mode)
-        monkeypatch.setenv("PRIMEMOE_GATHER_SMS", sms)
-        poison_caching_allocator()
-        assert_outputs_equal(run_moe(primemoe.moe, problem), separate, f"{mode} on {sms} SMs")
-
-
 def test_cuda_graph_replay_matches_eager_with_claimed_tiles():
     """Each replay must zero the claim counter again, or its GEMMs would skip tiles. 4096 tokens: FC1's
     ~800 tiles give each CTA several claims, so both slots of the index handoff come round again."""
