@@ -53,6 +53,14 @@ def test_dry_run_options():
 def test_bad_arguments_rejected():
     assert _run_bench("--dry-run", "--shapes", "no-such-model").returncode == 2
     assert _run_bench("--dry-run", "--tokens", "0").returncode == 2
+    assert _run_bench("--dry-run", "--settle", "-1").returncode == 2
+    assert _run_bench("--dry-run", "--settle", "nan").returncode == 2
+
+
+def test_settle_is_in_the_timing_note():
+    assert "2 s idle before each layer case" in bench._timing_note(bench.parse_args([]))
+    assert "idle" not in bench._timing_note(bench.parse_args(["--comm", "--settle", "5"]))
+    assert "0.5 s idle" in bench._timing_note(bench.parse_args(["--settle", "0.5"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")

@@ -5,7 +5,9 @@
 
 For every (shape, tokens per rank, EP, precision, implementation) it times forward and
 backward separately with CUDA events: warm-up, then the median of ``--iters``, with L2
-flushed (a 256 MB write) before every timed region. TFLOP/s are per GPU and counted as in
+flushed (a 256 MB write) before every timed region, after ``--settle`` idle seconds per case and
+implementation (the GPU's heat from the case before would otherwise slow the next: benchmarks/
+RESULTS.md, sixteenth session). TFLOP/s are per GPU and counted as in
 DESIGN.md section 6: forward 6*T*K*H*I, backward 12*T*K*H*I (T = tokens per rank, no
 credit for recomputation). EP > 1 spawns one process per GPU (NCCL, multicast off); an
 iteration's time there is the max over ranks, which is what a training step sees.
@@ -29,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -380,6 +383,10 @@ def _time(runner, inp: Inputs, args, group, flush_buf) -> tuple:
         if group is not None:  # align the ranks' GPU timelines before the region starts
             dist.all_reduce(token, group=group)
 
+    # Every implementation starts from the same idle GPU: timed right after a heavier one (the baseline, the fp64
+    # reference), primemoe measured up to 7% slower on the H200, power-capped and hotter.
+    torch.cuda.synchronize()
+    time.sleep(args.settle)
     events = []
     for _ in range(args.warmup + args.iters):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -642,8 +649,9 @@ def _git_commit() -> Optional[str]:
 
 def _timing_note(args) -> str:
     regions = "dispatch and combine" if args.comm else "forward and backward"
+    settle = f"; {args.settle:g} s idle before each layer case and implementation" if not args.comm else ""
     return (f"CUDA events around {regions} separately; {args.warmup} warm-up, median of "
-            f"{args.iters} iterations; L2 flushed (256 MB write) before every timed region; EP>1: ranks "
+            f"{args.iters} iterations{settle}; L2 flushed (256 MB write) before every timed region; EP>1: ranks "
             f"aligned by an all-reduce before each region, iteration time = max over ranks")
 
 
@@ -738,6 +746,13 @@ def _int_from(low: int):
     return parse
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m primemoe.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=TARGET_SHAPES)
@@ -747,6 +762,8 @@ def parse_args(argv=None):
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--warmup", type=_int_from(0), default=5)
     p.add_argument("--iters", type=_int_from(1), default=20, help="timed iterations (median reported)")
+    p.add_argument("--settle", type=_seconds, default=2.0,
+                   help="seconds the GPU idles before each case and implementation is timed (layer only)")
     p.add_argument("--skip-reference-above", type=_int_from(1), metavar="TOKENS",
                    help="run the reference only up to this many tokens per rank (default: the smallest --tokens)")
     p.add_argument("--seed", type=int, default=0)
