@@ -647,10 +647,20 @@ PairRows pair_rows_from_env() {
   return v == "1" ? PairRows::kOn : PairRows::kOff;
 }
 
+// PRIMEMOE_GEMM_SWAP_TAILS=1: FC1's split half tiles multiply only their routed rows (GemmConfig::swap_tails, where
+// the caller passes the layout's counts); unset or 0: not. Read at every launch, as the tile order.
+bool swap_tails_from_env() {
+  const char* swap = std::getenv("PRIMEMOE_GEMM_SWAP_TAILS");
+  if (swap == nullptr || *swap == '\0') return false;
+  const std::string v(swap);
+  PRIMEMOE_CHECK(v == "0" || v == "1", "PRIMEMOE_GEMM_SWAP_TAILS: expected 0 or 1, got '", v, "'");
+  return v == "1";
+}
+
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
   const char* why = "";
   PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
-  const GemmConfig config = choose_gemm_config(g, tile_order_from_env(), pair_rows_from_env());
+  const GemmConfig config = choose_gemm_config(g, tile_order_from_env(), pair_rows_from_env(), swap_tails_from_env());
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {
@@ -717,6 +727,15 @@ at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at
   return out.to(at::kBFloat16);
 }
 
+// The layout's routed rows per expert (dispatch_layout's counts), where an op takes them.
+void check_expert_rows(const std::optional<at::Tensor>& expert_rows, const at::Tensor& offsets, const at::Tensor& like) {
+  if (!expert_rows.has_value()) return;
+  check_index(*expert_rows, "expert_rows", 1);
+  PRIMEMOE_CHECK(expert_rows->numel() == offsets.numel() - 1, "expert_rows: expected one count per expert (",
+                 offsets.numel() - 1, "), got ", expert_rows->numel());
+  check_same_device(*expert_rows, like, "expert_rows");
+}
+
 void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets,
                     const char* rows_name = "rows") {
   check_expert_gemm_args(rows, w1, offsets, false, rows_name);
@@ -747,9 +766,11 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
                                                    const at::Tensor& offsets, bool keep_fc1,
                                                    const std::optional<at::Tensor>& rows_ready,
                                                    const std::optional<at::Tensor>& epoch, int64_t per_epoch,
-                                                   int64_t rank, bool zero_unrouted) {
+                                                   int64_t rank, bool zero_unrouted,
+                                                   const std::optional<at::Tensor>& expert_rows) {
   check_fc1_args(rows, w1, offsets);
   check_rows_ready(rows_ready, epoch, w1, per_epoch);
+  check_expert_rows(expert_rows, offsets, rows);
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t inter = w1.size(1) / 2;
   auto a = at::empty({rows.size(0), inter}, rows.options());
@@ -758,6 +779,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, rows, w1, true, 0, inter, rows.size(1), offsets, a);
   g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
   g.skip_unrouted_rows = !zero_unrouted;
+  g.expert_rows = expert_rows.has_value() ? expert_rows->data_ptr<int32_t>() : nullptr;
   if (rows_ready.has_value()) {
     g.hook.counters = reinterpret_cast<const uint64_t*>(rows_ready->data_ptr<int64_t>());
     g.hook.epoch = epoch->data_ptr<int64_t>();
@@ -775,9 +797,10 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cpu(const at::Tensor& rows, const 
                                                   const at::Tensor& offsets, bool keep_fc1,
                                                   const std::optional<at::Tensor>& rows_ready,
                                                   const std::optional<at::Tensor>& epoch, int64_t per_epoch,
-                                                  int64_t, bool) {
+                                                  int64_t, bool, const std::optional<at::Tensor>& expert_rows) {
   check_fc1_args(rows, w1, offsets);
   check_rows_ready(rows_ready, epoch, w1, per_epoch);
+  check_expert_rows(expert_rows, offsets, rows);
   const int64_t inter = w1.size(1) / 2;
   auto h = expert_products_cpu(rows, w1, offsets, false).to(at::kBFloat16);
   auto hf = h.to(at::kFloat);
@@ -825,7 +848,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cpu(const at::Tensor& x, co
                                                          const at::Tensor& offsets, bool keep_fc1) {
   check_fc1_gather_args(x, row_to_slot, top_k, w1, offsets);
   return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt, std::nullopt), w1, offsets, keep_fc1, std::nullopt,
-                        std::nullopt, 1, 0, true);
+                        std::nullopt, 1, 0, true, std::nullopt);
 }
 
 void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const at::Tensor& h,
@@ -900,11 +923,7 @@ void check_wgrad_args(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
   check_index(offsets, "expert_offsets", 1);
   PRIMEMOE_CHECK(offsets.numel() >= 2, "expert_offsets: expected at least one expert");
   check_same_device(offsets, a_rows, "expert_offsets");
-  if (!expert_rows.has_value()) return;
-  check_index(*expert_rows, "expert_rows", 1);
-  PRIMEMOE_CHECK(expert_rows->numel() == offsets.numel() - 1, "expert_rows: expected one count per expert (",
-                 offsets.numel() - 1, "), got ", expert_rows->numel());
-  check_same_device(*expert_rows, a_rows, "expert_rows");
+  check_expert_rows(expert_rows, offsets, a_rows);
 }
 
 at::Tensor expert_wgrad_cuda(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
@@ -963,7 +982,8 @@ TORCH_LIBRARY(primemoe, m) {
       "bool zero_unrouted=True) -> Tensor");
   m.def(
       "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
-      "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True) -> (Tensor a, Tensor h)");
+      "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True, Tensor? expert_rows=None) "
+      "-> (Tensor a, Tensor h)");
   m.def(
       "fc1_swiglu_gather(Tensor x, Tensor row_to_slot, int top_k, Tensor w1, Tensor expert_offsets, bool keep_fc1) "
       "-> (Tensor a, Tensor h)");

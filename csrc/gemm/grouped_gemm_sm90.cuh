@@ -273,6 +273,38 @@ __device__ __forceinline__ __nv_bfloat162 get_pair(uint32_t slots, int box, int 
   return *reinterpret_cast<const __nv_bfloat162*>(&v);
 }
 
+__device__ __forceinline__ void st_shared_b16(uint32_t addr, __nv_bfloat16 v) {
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(*reinterpret_cast<const uint16_t*>(&v)));
+}
+
+__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0));
+}
+
+// Swapped tails (GemmConfig::swap_tails): the wgmma of an m64 weight block by the tile's first `N` rows (16, 32 or
+// 64; cute's n48 atom is in a header as large as the rest), both K-major operands from shared memory.
+template <int N>
+struct SwappedMma;
+template <>
+struct SwappedMma<16> {
+  using Op = SM90_64x16x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+template <>
+struct SwappedMma<32> {
+  using Op = SM90_64x32x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+template <>
+struct SwappedMma<64> {
+  using Op = SM90_64x64x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+
+// acc(Base + i) for i < N / 2 are the swapped wgmma's accumulator registers.
+template <int N, int Base, class Acc, size_t... I>
+__device__ __forceinline__ void swapped_fma(uint64_t weights, uint64_t rows, Acc& acc, GMMA::ScaleOut scale,
+                                            std::index_sequence<I...>) {
+  SwappedMma<N>::Op::fma(weights, rows, acc(Base + int(I))..., scale);
+}
+
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
 
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1) {
@@ -654,6 +686,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // (see the epilogue); values [0, 64) are the first weight half's columns, [64, 128) the second's.
   Tensor acc = partition_fragment_C(tiled_mma, Shape<_128, Int<kGemmTileN>>{});
   constexpr int kHalf = 64;
+  constexpr bool kSwapsTails = S == GemmSchedule::kRows && E == GemmEpilogue::kSwiGLU && !GatherA;
   // A half tile (an expert's last 64 rows, kRows) is split along K: the warpgroups take alternate
   // k-slices, each finding the tile's rows in its own half of the A tile, and warpgroup 1's partial sums
   // join warpgroup 0's, which alone runs the epilogue. Two accumulator chains keep the tensor cores fed
@@ -728,6 +761,89 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   RingPos<kStages> ring;
   uint32_t taken = 0;  // claimed order: tiles taken from the handoff
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
+  // FC1's swapped tail (GemmConfig::swap_tails): in a split half tile with `valid` routed rows, the weights are the
+  // wgmma's M and the rows its N, rounded up to N = 16, 32 or 64, so the padding rows past N are not multiplied
+  // (an M-side operand is 64 rows whatever it holds). Warpgroup w takes the weight rows of activation columns
+  // [64 w, +64), gate and up (two m64 x N accumulators in acc's registers, acc(0..) and acc(kHalf..)), over every
+  // k-slice, reading the A rows from the half the producer loaded them into (kt % 2); so no partial sums cross
+  // between the warpgroups, and both release every stage (one arrival per warp). A thread holds column
+  // frag_row + 8 ((i >> 1) & 1) of its 64, row frag_col + 8 (i >> 2) + (i & 1) (the accumulator layout transposed):
+  // the epilogue writes its boxes column-wise in 16-bit stores, zeros in the rows past N, and stores each as one box.
+  auto swapped_tail = [&](auto rows_n, const Tile& tile, int32_t row0) {
+    constexpr int N = decltype(rows_n)::value;
+    if (kDeferred && holding) store_held();  // not behind the first wgmma: held through the loop, it spilled
+    GMMA::ScaleOut scale = GMMA::ScaleOut::Zero;
+    int prev_stage = -1;
+    RingPos<kStages> pos = ring;
+    for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
+      const int stage = pos.stage;
+      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        // Descriptor start addresses count 16 bytes: a 64-row block of an operand tile is 8 KiB (512) on. This
+        // warpgroup's A descriptor is at its own half; the B descriptor at the gate rows, the up rows 16 KiB on.
+        const uint64_t rows = uint64_t(tCrA(0, 0, kb, stage)) + uint64_t(int64_t(kt % 2 - wg) * 512);
+        const uint64_t gate = uint64_t(tCrB(0, 0, kb, stage)) + uint64_t(wg) * 512;
+        swapped_fma<N, 0>(gate, rows, acc, scale, std::make_index_sequence<N / 2>{});
+        swapped_fma<N, kHalf>(gate + 1024, rows, acc, scale, std::make_index_sequence<N / 2>{});
+        scale = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc);
+      if (prev_stage >= 0) release(prev_stage, 1);
+      prev_stage = stage;
+      pos.step(1);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (prev_stage >= 0) release(prev_stage, 1);
+    auto zero_rows_past_n = [&](int box) {
+      for (int idx = wtid; idx < (64 - N) * 8; idx += 128) {
+        st_shared_zero16(slots + box * kBoxBytes + (N + idx / 8) * 128 + (idx % 8) * 16);
+      }
+    };
+    // The thread's coordinates made opaque here, as in store_round: else their addresses are hoisted out of the
+    // tile loop and held through the mainloops (ptxas spilled).
+    int row_at = frag_col;
+    int col_at = frag_row;
+    asm volatile("" : "+r"(row_at), "+r"(col_at));
+    auto put = [&](int box, int i, float v) {
+      st_shared_b16(slots + box * kBoxBytes + swizzled(row_at + 8 * (i >> 2) + (i & 1), col_at + 8 * ((i >> 1) & 1)),
+                    __float2bfloat16_rn(v));
+    };
+    const int32_t col = tile.n_tile * 128 + 64 * wg;
+    staging_acquire(wg, wtid);
+    zero_rows_past_n(0);
+    if (args.out_h != nullptr) {
+      zero_rows_past_n(1);
+      CUTE_UNROLL
+      for (int i = 0; i < N / 2; ++i) {
+        put(0, i, acc(i));
+        put(1, i, acc(kHalf + i));
+      }
+      staging_release(wg);
+      if (wtid == 0) {
+        tma_store(&p.tma_out2, slots, col, row0);
+        tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col, row0);
+        store_commit();
+      }
+      staging_acquire(wg, wtid);  // box 0's rows past N are still zeros
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < N / 2; ++i) {
+      const float g = __bfloat162float(__float2bfloat16_rn(acc(i)));
+      const float u = __bfloat162float(__float2bfloat16_rn(acc(kHalf + i)));
+      put(0, i, silu(g) * u);
+    }
+    staging_release(wg);
+    if (wtid == 0) {
+      tma_store(&p.tma_out, slots, col, row0);
+      store_commit();
+    }
+  };
   for (int64_t t = first_tile();; t = next_tile(t)) {
     if (claimed) t = take_tile(taken++);
     if (t >= walker.total) break;
@@ -776,6 +892,21 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       load_quarter(0);
     };
     if (kLoadsQuarters && !routed) prefetch_first_quarter();
+    if constexpr (kSwapsTails) {
+      if (split && routed && p.swap_tails) {
+        const int32_t valid =
+            args.expert_rows[tile.expert] - (tile.m0 - args.expert_offsets[tile.expert]);  // routed rows in the tile
+        if (valid <= 16) {
+          swapped_tail(Int<16>{}, tile, row0);
+        } else if (valid <= 32) {
+          swapped_tail(Int<32>{}, tile, row0);
+        } else {
+          swapped_tail(Int<64>{}, tile, row0);
+        }
+        ring.advance(tile.k_tiles);
+        continue;
+      }
+    }
     if (tile.k_tiles == 0) clear(acc);
     const int32_t kt_first = split ? wg : 0;
     const int32_t kt_step = split ? 2 : 1;

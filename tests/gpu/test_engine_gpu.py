@@ -64,6 +64,56 @@ def test_forward_ops_match_cpu(counts, shape):
     assert_rows_close("fc2 weighted", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu.row_weight))
 
 
+# Half tiles with 1..64 routed rows (N = 16, 32, 64 and each edge), next to full tiles and empty experts; 12 rounds,
+# so CTAs run several tiles of each kind.
+SWAP_COUNTS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 300] * 12
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("keep_fc1", [True, False])
+def test_swapped_tails_match_cpu(monkeypatch, shape, keep_fc1):
+    """FC1 with its split half tiles multiplying only their routed rows (PRIMEMOE_GEMM_SWAP_TAILS=1: the weights as
+    the wgmma's M, the rows as its N of 16, 32 or 64): against the CPU kernel, padding rows zeros, same bits twice."""
+    monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "1")
+    hidden, inter = SHAPES[shape]
+    gpu = engine_operands(SWAP_COUNTS, hidden, inter, seed=11, device="cuda")
+    cpu = engine_operands(SWAP_COUNTS, hidden, inter, seed=11)
+    poison_caching_allocator()
+    a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, keep_fc1, expert_rows=gpu.counts)
+    a_ref, h_ref = ops.fc1_swiglu(cpu.xs, cpu.w1, cpu.offsets, True)
+    assert_rows_close("swapped fc1 a", a, a_ref)
+    if keep_fc1:
+        assert_rows_close("swapped fc1 h", h, h_ref)
+    again = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, keep_fc1, expert_rows=gpu.counts)
+    assert torch.equal(again[0], a) and torch.equal(again[1], h)
+
+
+def test_swapped_tails_skip_the_padding_rows(monkeypatch):
+    """The probe that the swapped path ran: padding rows of the input made nonzero (the layout leaves zeros) reach
+    FC1's outputs where padding rows are multiplied, but not past the swapped tiles' N (experts of 16 and 32 rows,
+    and 128 + 16), while the routed rows are unchanged."""
+    counts = [16, 32, 144, 3, 300] * 40
+    gpu = engine_operands(counts, 256, 256, seed=12, device="cuda")
+    xs = gpu.xs.clone()
+    routed = torch.zeros(xs.shape[0], dtype=torch.bool, device="cuda")
+    for e, c in enumerate(counts):
+        routed[int(gpu.offsets[e]):int(gpu.offsets[e]) + c] = True
+    xs[~routed] = 1.0
+    probe = torch.zeros_like(routed)
+    for e, c in enumerate(counts):
+        if c in (16, 32, 144):
+            lo = int(gpu.offsets[e]) + c
+            probe[lo:int(gpu.offsets[e + 1])] = True
+    monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "0")
+    plain = ops.fc1_swiglu(xs, gpu.w1, gpu.offsets, True, expert_rows=gpu.counts)
+    assert plain[1][probe].abs().sum() > 0, "unswapped, the padding rows are multiplied"
+    monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "1")
+    swapped = ops.fc1_swiglu(xs, gpu.w1, gpu.offsets, True, expert_rows=gpu.counts)
+    assert not swapped[1][probe].any() and not swapped[0][probe].any()
+    for got, want in zip(swapped, plain):
+        assert_rows_close("swapped vs unswapped, routed rows", got[routed], want[routed])
+
+
 @pytest.mark.parametrize("k", [64, 192])
 def test_half_tiles_with_odd_k_slices(k):
     """An expert's last 64 rows (a half tile) split their k-slices between the two consumer warpgroups:
@@ -178,6 +228,10 @@ def test_gemm_overrides_are_checked(monkeypatch):
     monkeypatch.delenv("PRIMEMOE_GEMM_TILE_ORDER")
     monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", "yes")
     with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_PAIRS: expected 0 or 1"):
+        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    monkeypatch.delenv("PRIMEMOE_GEMM_PAIRS")
+    monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "on")
+    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_SWAP_TAILS: expected 0 or 1"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
 
 
