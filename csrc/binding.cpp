@@ -670,6 +670,15 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
   check_cuda(launch_grouped_gemm(args, config, c10::cuda::getCurrentCUDAStream()), what);
 }
 
+// The layout's routed rows per expert (dispatch_layout's counts), where an op takes them.
+void check_expert_rows(const std::optional<at::Tensor>& expert_rows, const at::Tensor& offsets, const at::Tensor& like) {
+  if (!expert_rows.has_value()) return;
+  check_index(*expert_rows, "expert_rows", 1);
+  PRIMEMOE_CHECK(expert_rows->numel() == offsets.numel() - 1, "expert_rows: expected one count per expert (",
+                 offsets.numel() - 1, "), got ", expert_rows->numel());
+  check_same_device(*expert_rows, like, "expert_rows");
+}
+
 // rows [R, K] x w[e] for each expert's rows: w is [E, N, K] (w_kn = false) or [E, K, N].
 void check_expert_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
                             const char* rows_name = "rows") {
@@ -690,9 +699,11 @@ void check_row_weight(const std::optional<at::Tensor>& row_weight, const at::Ten
 }
 
 at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
-                            const std::optional<at::Tensor>& row_weight, bool zero_unrouted) {
+                            const std::optional<at::Tensor>& row_weight, bool zero_unrouted,
+                            const std::optional<at::Tensor>& expert_rows) {
   check_expert_gemm_args(rows, w, offsets, w_kn);
   check_row_weight(row_weight, rows);
+  check_expert_rows(expert_rows, offsets, rows);
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t n = w_kn ? w.size(2) : w.size(1);
   auto out = at::empty({rows.size(0), n}, rows.options());
@@ -700,6 +711,7 @@ at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const a
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kStore, rows, w, !w_kn, 0, n, rows.size(1), offsets, out);
   g.row_weight = row_weight.has_value() ? row_weight->data_ptr<float>() : nullptr;
   g.skip_unrouted_rows = !zero_unrouted;
+  g.expert_rows = expert_rows.has_value() ? expert_rows->data_ptr<int32_t>() : nullptr;
   run_gemm(g, rows, "expert_gemm");
   return out;
 }
@@ -719,21 +731,14 @@ at::Tensor expert_products_cpu(const at::Tensor& rows, const at::Tensor& w, cons
 
 // On the CPU the rows past the routed ones are zeros either way (zeros are one of the undefined values).
 at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
-                           const std::optional<at::Tensor>& row_weight, bool) {
+                           const std::optional<at::Tensor>& row_weight, bool,
+                           const std::optional<at::Tensor>& expert_rows) {
   check_expert_gemm_args(rows, w, offsets, w_kn);
   check_row_weight(row_weight, rows);
+  check_expert_rows(expert_rows, offsets, rows);
   auto out = expert_products_cpu(rows, w, offsets, w_kn);
   if (row_weight.has_value()) out *= row_weight->unsqueeze(1);
   return out.to(at::kBFloat16);
-}
-
-// The layout's routed rows per expert (dispatch_layout's counts), where an op takes them.
-void check_expert_rows(const std::optional<at::Tensor>& expert_rows, const at::Tensor& offsets, const at::Tensor& like) {
-  if (!expert_rows.has_value()) return;
-  check_index(*expert_rows, "expert_rows", 1);
-  PRIMEMOE_CHECK(expert_rows->numel() == offsets.numel() - 1, "expert_rows: expected one count per expert (",
-                 offsets.numel() - 1, "), got ", expert_rows->numel());
-  check_same_device(*expert_rows, like, "expert_rows");
 }
 
 void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets,
@@ -979,7 +984,7 @@ TORCH_LIBRARY(primemoe, m) {
   // callers that read only the routed rows.
   m.def(
       "expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn, Tensor? row_weight=None, "
-      "bool zero_unrouted=True) -> Tensor");
+      "bool zero_unrouted=True, Tensor? expert_rows=None) -> Tensor");
   m.def(
       "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
       "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True, Tensor? expert_rows=None) "

@@ -106,9 +106,10 @@ struct GemmConfig {
   // kRows (gemm_pairs_rows): 2-CTA clusters take row blocks 2q and 2q + 1 of one column tile; where both are one
   // expert's, each CTA loads half of the weight tile and multicasts it to both. With claim_tiles, rank 0 claims pairs.
   bool pair_rows;
-  // FC1 (kRows, SwiGLU, TMA-loaded A) with GroupedGemmArgs::expert_rows: a split half tile multiplies only its routed
+  // FC1 and FC2 (kRows, SwiGLU or plain store, K-major weights, TMA-loaded A) with GroupedGemmArgs::expert_rows: a
+  // split half tile multiplies only its routed
   // rows rounded up to 16, 32 or 64, as the wgmma's N against m64 blocks of the weights (swapped operands), instead of all 64
-  // rows as the M of two warpgroups' k-slices; most of the padding rows' products (5.6% of FC1's rows at Qwen3-235B
+  // rows as the M of two warpgroups' k-slices; most of the padding rows' products (5.6% of the rows at Qwen3-235B
   // T = 8192) are skipped. Equal within rounding: each output sums its k-slices in one chain, not two partial sums.
   bool swap_tails;
 };

@@ -686,7 +686,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // (see the epilogue); values [0, 64) are the first weight half's columns, [64, 128) the second's.
   Tensor acc = partition_fragment_C(tiled_mma, Shape<_128, Int<kGemmTileN>>{});
   constexpr int kHalf = 64;
-  constexpr bool kSwapsTails = S == GemmSchedule::kRows && E == GemmEpilogue::kSwiGLU && !GatherA;
+  // Swapped tails: FC1 and FC2 (the forward's K-major weights, TMA-loaded A). Warpgroup wg's two m64 weight blocks
+  // start kFirstBlock * wg and kSecondBlock further (16-byte units): FC1's gate and up rows of its 64 activation
+  // columns, FC2's rows of its 128 output columns.
+  constexpr bool kSwapsTails = S == GemmSchedule::kRows && BKMajor && !GatherA && E != GemmEpilogue::kSwiGLUBackward;
+  constexpr uint64_t kFirstBlock = E == GemmEpilogue::kSwiGLU ? 512 : 1024;
+  constexpr uint64_t kSecondBlock = E == GemmEpilogue::kSwiGLU ? 1024 : 512;
   // A half tile (an expert's last 64 rows, kRows) is split along K: the warpgroups take alternate
   // k-slices, each finding the tile's rows in its own half of the A tile, and warpgroup 1's partial sums
   // join warpgroup 0's, which alone runs the epilogue. Two accumulator chains keep the tensor cores fed
@@ -761,14 +766,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   RingPos<kStages> ring;
   uint32_t taken = 0;  // claimed order: tiles taken from the handoff
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
-  // FC1's swapped tail (GemmConfig::swap_tails): in a split half tile with `valid` routed rows, the weights are the
+  // The swapped tail (GemmConfig::swap_tails): in a split half tile with `valid` routed rows, the weights are the
   // wgmma's M and the rows its N, rounded up to N = 16, 32 or 64, so the padding rows past N are not multiplied
-  // (an M-side operand is 64 rows whatever it holds). Warpgroup w takes the weight rows of activation columns
-  // [64 w, +64), gate and up (two m64 x N accumulators in acc's registers, acc(0..) and acc(kHalf..)), over every
-  // k-slice, reading the A rows from the half the producer loaded them into (kt % 2); so no partial sums cross
-  // between the warpgroups, and both release every stage (one arrival per warp). A thread holds column
-  // frag_row + 8 ((i >> 1) & 1) of its 64, row frag_col + 8 (i >> 2) + (i & 1) (the accumulator layout transposed):
-  // the epilogue writes its boxes column-wise in 16-bit stores, zeros in the rows past N, and stores each as one box.
+  // (an M-side operand is 64 rows whatever it holds). Warpgroup w takes two 64-row weight blocks (kFirstBlock: FC1's
+  // gate and up rows of activation columns [64 w, +64), FC2's rows of output columns [128 w, +128); two m64 x N
+  // accumulators in acc's registers, acc(0..) and acc(kHalf..)), over every k-slice, reading the A rows from the half
+  // the producer loaded them into (kt % 2); so no partial sums cross between the warpgroups, and both release every
+  // stage (one arrival per warp). A thread holds column frag_row + 8 ((i >> 1) & 1) of a block, row
+  // frag_col + 8 (i >> 2) + (i & 1) (the accumulator layout transposed): the epilogue writes its boxes column-wise
+  // in 16-bit stores, zeros in the rows past N, and stores each as one box.
   auto swapped_tail = [&](auto rows_n, const Tile& tile, int32_t row0) {
     constexpr int N = decltype(rows_n)::value;
     if (kDeferred && holding) store_held();  // not behind the first wgmma: held through the loop, it spilled
@@ -783,11 +789,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tCrA); ++kb) {
         // Descriptor start addresses count 16 bytes: a 64-row block of an operand tile is 8 KiB (512) on. This
-        // warpgroup's A descriptor is at its own half; the B descriptor at the gate rows, the up rows 16 KiB on.
+        // warpgroup's A descriptor is at its own half; the B descriptor at weight row 0.
         const uint64_t rows = uint64_t(tCrA(0, 0, kb, stage)) + uint64_t(int64_t(kt % 2 - wg) * 512);
-        const uint64_t gate = uint64_t(tCrB(0, 0, kb, stage)) + uint64_t(wg) * 512;
-        swapped_fma<N, 0>(gate, rows, acc, scale, std::make_index_sequence<N / 2>{});
-        swapped_fma<N, kHalf>(gate + 1024, rows, acc, scale, std::make_index_sequence<N / 2>{});
+        const uint64_t weights = uint64_t(tCrB(0, 0, kb, stage)) + uint64_t(wg) * kFirstBlock;
+        swapped_fma<N, 0>(weights, rows, acc, scale, std::make_index_sequence<N / 2>{});
+        swapped_fma<N, kHalf>(weights + kSecondBlock, rows, acc, scale, std::make_index_sequence<N / 2>{});
         scale = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
@@ -814,34 +820,52 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       st_shared_b16(slots + box * kBoxBytes + swizzled(row_at + 8 * (i >> 2) + (i & 1), col_at + 8 * ((i >> 1) & 1)),
                     __float2bfloat16_rn(v));
     };
-    const int32_t col = tile.n_tile * 128 + 64 * wg;
     staging_acquire(wg, wtid);
     zero_rows_past_n(0);
-    if (args.out_h != nullptr) {
-      zero_rows_past_n(1);
+    zero_rows_past_n(1);
+    if constexpr (E == GemmEpilogue::kStore) {
+      // FC2: columns [128 wg, +128) of the tile, each row scaled by its routing weight.
       CUTE_UNROLL
       for (int i = 0; i < N / 2; ++i) {
-        put(0, i, acc(i));
-        put(1, i, acc(kHalf + i));
+        const int32_t r = row0 + row_at + 8 * (i >> 2) + (i & 1);
+        const float w = args.row_weight != nullptr ? __ldg(args.row_weight + r) : 1.0f;
+        put(0, i, acc(i) * w);
+        put(1, i, acc(kHalf + i) * w);
       }
       staging_release(wg);
       if (wtid == 0) {
-        tma_store(&p.tma_out2, slots, col, row0);
-        tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col, row0);
+        const int32_t col = tile.n_tile * kGemmTileN + 128 * wg;
+        tma_store(&p.tma_out, slots, col, row0);
+        tma_store(&p.tma_out, slots + kBoxBytes, col + 64, row0);
         store_commit();
       }
-      staging_acquire(wg, wtid);  // box 0's rows past N are still zeros
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < N / 2; ++i) {
-      const float g = __bfloat162float(__float2bfloat16_rn(acc(i)));
-      const float u = __bfloat162float(__float2bfloat16_rn(acc(kHalf + i)));
-      put(0, i, silu(g) * u);
-    }
-    staging_release(wg);
-    if (wtid == 0) {
-      tma_store(&p.tma_out, slots, col, row0);
-      store_commit();
+    } else {
+      const int32_t col = tile.n_tile * 128 + 64 * wg;
+      if (args.out_h != nullptr) {
+        CUTE_UNROLL
+        for (int i = 0; i < N / 2; ++i) {
+          put(0, i, acc(i));
+          put(1, i, acc(kHalf + i));
+        }
+        staging_release(wg);
+        if (wtid == 0) {
+          tma_store(&p.tma_out2, slots, col, row0);
+          tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col, row0);
+          store_commit();
+        }
+        staging_acquire(wg, wtid);  // box 0's rows past N are still zeros
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < N / 2; ++i) {
+        const float g = __bfloat162float(__float2bfloat16_rn(acc(i)));
+        const float u = __bfloat162float(__float2bfloat16_rn(acc(kHalf + i)));
+        put(0, i, silu(g) * u);
+      }
+      staging_release(wg);
+      if (wtid == 0) {
+        tma_store(&p.tma_out, slots, col, row0);
+        store_commit();
+      }
     }
   };
   for (int64_t t = first_tile();; t = next_tile(t)) {

@@ -100,7 +100,7 @@ def _copy_routed_rows_fake(rows, expert_offsets):
 
 
 @torch.library.register_fake("primemoe::expert_gemm")
-def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True):
+def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True, expert_rows=None):
     return rows.new_empty(rows.shape[0], w.shape[2] if w_kn else w.shape[1])
 
 
@@ -207,11 +207,11 @@ def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, zero_unrouted
     return swiglu(h), (h if keep_fc1 else h.new_empty(0, h.shape[1]))
 
 
-def expert_fc2(a, w2, offsets, row_weight, engine, zero_unrouted=True):
+def expert_fc2(a, w2, offsets, row_weight, engine, zero_unrouted=True, counts=None):
     """``row_weight * FC2(a)`` per expert: the routing weight is applied here (in the engine's
-    epilogue), so the combine only sums a token's rows."""
+    epilogue), so the combine only sums a token's rows. ``counts``: as in ``expert_fc1``."""
     if engine:
-        return lib.expert_gemm(a, w2, offsets, False, row_weight, zero_unrouted=zero_unrouted)
+        return lib.expert_gemm(a, w2, offsets, False, row_weight, zero_unrouted=zero_unrouted, expert_rows=counts)
     o = torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets[1:])
     return (o.float() * row_weight.unsqueeze(1)).to(o.dtype)
 
@@ -260,7 +260,7 @@ def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine, ro
     # Not fc1_swiglu_gather: on the H200 the separate gather + TMA loads are faster (benchmarks/RESULTS.md).
     a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None, slot_to_row), w1, offsets, keep_fc1, engine,
                       counts=counts)
-    o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine)
+    o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine, counts=counts)
     return lib.combine_reduce(o, slot_to_row, None), h
 
 

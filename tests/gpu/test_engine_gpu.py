@@ -72,8 +72,9 @@ SWAP_COUNTS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 300] * 1
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("keep_fc1", [True, False])
 def test_swapped_tails_match_cpu(monkeypatch, shape, keep_fc1):
-    """FC1 with its split half tiles multiplying only their routed rows (PRIMEMOE_GEMM_SWAP_TAILS=1: the weights as
-    the wgmma's M, the rows as its N of 16, 32 or 64): against the CPU kernel, padding rows zeros, same bits twice."""
+    """FC1 and FC2 with their split half tiles multiplying only their routed rows (PRIMEMOE_GEMM_SWAP_TAILS=1: the
+    weights as the wgmma's M, the rows as its N of 16, 32 or 64): against the CPU kernels (whose padding rows are
+    zeros: compared over every row), same bits twice."""
     monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "1")
     hidden, inter = SHAPES[shape]
     gpu = engine_operands(SWAP_COUNTS, hidden, inter, seed=11, device="cuda")
@@ -86,12 +87,17 @@ def test_swapped_tails_match_cpu(monkeypatch, shape, keep_fc1):
         assert_rows_close("swapped fc1 h", h, h_ref)
     again = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, keep_fc1, expert_rows=gpu.counts)
     assert torch.equal(again[0], a) and torch.equal(again[1], h)
+    for weight in (gpu.row_weight, None):
+        o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, weight, expert_rows=gpu.counts)
+        cpu_weight = None if weight is None else cpu.row_weight
+        assert_rows_close("swapped fc2", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu_weight))
+        assert torch.equal(ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, weight, expert_rows=gpu.counts), o)
 
 
 def test_swapped_tails_skip_the_padding_rows(monkeypatch):
-    """The probe that the swapped path ran: padding rows of the input made nonzero (the layout leaves zeros) reach
-    FC1's outputs where padding rows are multiplied, but not past the swapped tiles' N (experts of 16 and 32 rows,
-    and 128 + 16), while the routed rows are unchanged."""
+    """The probe that the swapped path ran: padding rows of the inputs made nonzero (the layout leaves zeros) reach
+    FC1's and FC2's outputs where padding rows are multiplied, but not past the swapped tiles' N (experts of 16 and
+    32 rows, and 128 + 16), while the routed rows are unchanged."""
     counts = [16, 32, 144, 3, 300] * 40
     gpu = engine_operands(counts, 256, 256, seed=12, device="cuda")
     xs = gpu.xs.clone()
@@ -104,13 +110,19 @@ def test_swapped_tails_skip_the_padding_rows(monkeypatch):
         if c in (16, 32, 144):
             lo = int(gpu.offsets[e]) + c
             probe[lo:int(gpu.offsets[e + 1])] = True
+    a = gpu.a.clone()
+    a[~routed] = 1.0
+    weight = torch.ones_like(gpu.row_weight)  # FC2's padding rows would be scaled by 0 in the layer
     monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "0")
     plain = ops.fc1_swiglu(xs, gpu.w1, gpu.offsets, True, expert_rows=gpu.counts)
+    plain_fc2 = ops.expert_gemm(a, gpu.w2, gpu.offsets, False, weight, expert_rows=gpu.counts)
     assert plain[1][probe].abs().sum() > 0, "unswapped, the padding rows are multiplied"
+    assert plain_fc2[probe].abs().sum() > 0, "unswapped, FC2's padding rows are multiplied"
     monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "1")
     swapped = ops.fc1_swiglu(xs, gpu.w1, gpu.offsets, True, expert_rows=gpu.counts)
-    assert not swapped[1][probe].any() and not swapped[0][probe].any()
-    for got, want in zip(swapped, plain):
+    swapped_fc2 = ops.expert_gemm(a, gpu.w2, gpu.offsets, False, weight, expert_rows=gpu.counts)
+    assert not swapped[1][probe].any() and not swapped[0][probe].any() and not swapped_fc2[probe].any()
+    for got, want in zip([*swapped, swapped_fc2], [*plain, plain_fc2]):
         assert_rows_close("swapped vs unswapped, routed rows", got[routed], want[routed])
 
 
