@@ -168,8 +168,9 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) &&
                      (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
+  // Not under the rows-ready hook: the consumers read the counts with no order against the producer's wait.
   config.swap_tails = swap_tails && config.split_half_tiles && a.epilogue != GemmEpilogue::kSwiGLUBackward &&
-                      a.b_k_major && a.a_row_src == nullptr && a.expert_rows != nullptr;
+                      a.b_k_major && a.a_row_src == nullptr && a.expert_rows != nullptr && a.hook.counters == nullptr;
   return config;
 }
 

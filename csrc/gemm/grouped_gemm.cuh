@@ -108,9 +108,10 @@ struct GemmConfig {
   bool pair_rows;
   // FC1 and FC2 (kRows, SwiGLU or plain store, K-major weights, TMA-loaded A) with GroupedGemmArgs::expert_rows: a
   // split half tile multiplies only its routed
-  // rows rounded up to 16, 32 or 64, as the wgmma's N against m64 blocks of the weights (swapped operands), instead of all 64
+  // rows (up to 32, rounded up to 16 or 32) as the wgmma's N against m64 blocks of the weights (swapped operands), instead of all 64
   // rows as the M of two warpgroups' k-slices; most of the padding rows' products (5.6% of the rows at Qwen3-235B
   // T = 8192) are skipped. Equal within rounding: each output sums its k-slices in one chain, not two partial sums.
+  // The counts must be the layout's: rows past them in the tile come out as zeros. Not with the rows-ready hook.
   bool swap_tails;
 };
 

@@ -281,8 +281,8 @@ __device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0));
 }
 
-// Swapped tails (GemmConfig::swap_tails): the wgmma of an m64 weight block by the tile's first `N` rows (16, 32 or
-// 64; cute's n48 atom is in a header as large as the rest), both K-major operands from shared memory.
+// Swapped tails (GemmConfig::swap_tails): the wgmma of an m64 weight block by the tile's first `N` rows (16 or 32),
+// both K-major operands from shared memory.
 template <int N>
 struct SwappedMma;
 template <>
@@ -292,10 +292,6 @@ struct SwappedMma<16> {
 template <>
 struct SwappedMma<32> {
   using Op = SM90_64x32x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
-};
-template <>
-struct SwappedMma<64> {
-  using Op = SM90_64x64x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
 };
 
 // acc(Base + i) for i < N / 2 are the swapped wgmma's accumulator registers.
@@ -766,8 +762,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   RingPos<kStages> ring;
   uint32_t taken = 0;  // claimed order: tiles taken from the handoff
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
-  // The swapped tail (GemmConfig::swap_tails): in a split half tile with `valid` routed rows, the weights are the
-  // wgmma's M and the rows its N, rounded up to N = 16, 32 or 64, so the padding rows past N are not multiplied
+  // The swapped tail (GemmConfig::swap_tails): in a split half tile with up to 32 routed rows, the weights are the
+  // wgmma's M and the rows its N, rounded up to N = 16 or 32, so the padding rows past N are not multiplied
   // (an M-side operand is 64 rows whatever it holds). Warpgroup w takes two 64-row weight blocks (kFirstBlock: FC1's
   // gate and up rows of activation columns [64 w, +64), FC2's rows of output columns [128 w, +128); two m64 x N
   // accumulators in acc's registers, acc(0..) and acc(kHalf..)), over every k-slice, reading the A rows from the half
@@ -917,18 +913,19 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     };
     if (kLoadsQuarters && !routed) prefetch_first_quarter();
     if constexpr (kSwapsTails) {
+      // Swapped only up to 32 routed rows: at N = 64 no product is skipped, and the four m64n64 wgmma per k16 read
+      // 1.6x the shared-memory operand bytes of the split tile's one m64n256.
       if (split && routed && p.swap_tails) {
-        const int32_t valid =
-            args.expert_rows[tile.expert] - (tile.m0 - args.expert_offsets[tile.expert]);  // routed rows in the tile
-        if (valid <= 16) {
-          swapped_tail(Int<16>{}, tile, row0);
-        } else if (valid <= 32) {
-          swapped_tail(Int<32>{}, tile, row0);
-        } else {
-          swapped_tail(Int<64>{}, tile, row0);
+        const int32_t valid = args.expert_rows[tile.expert] - (tile.m0 - args.expert_offsets[tile.expert]);
+        if (valid <= 32) {
+          if (valid <= 16) {
+            swapped_tail(Int<16>{}, tile, row0);
+          } else {
+            swapped_tail(Int<32>{}, tile, row0);
+          }
+          ring.advance(tile.k_tiles);
+          continue;
         }
-        ring.advance(tile.k_tiles);
-        continue;
       }
     }
     if (tile.k_tiles == 0) clear(acc);

@@ -64,7 +64,8 @@ def test_forward_ops_match_cpu(counts, shape):
     assert_rows_close("fc2 weighted", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu.row_weight))
 
 
-# Half tiles with 1..64 routed rows (N = 16, 32, 64 and each edge), next to full tiles and empty experts; 12 rounds,
+# Half tiles with 1..64 routed rows (swapped at N = 16 and 32, each edge, split above), next to full tiles and empty
+# experts; 12 rounds,
 # so CTAs run several tiles of each kind.
 SWAP_COUNTS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 300] * 12
 
@@ -72,9 +73,9 @@ SWAP_COUNTS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 300] * 1
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("keep_fc1", [True, False])
 def test_swapped_tails_match_cpu(monkeypatch, shape, keep_fc1):
-    """FC1 and FC2 with their split half tiles multiplying only their routed rows (PRIMEMOE_GEMM_SWAP_TAILS=1: the
-    weights as the wgmma's M, the rows as its N of 16, 32 or 64): against the CPU kernels (whose padding rows are
-    zeros: compared over every row), same bits twice."""
+    """FC1 and FC2 with their split half tiles of up to 32 routed rows multiplying only those (PRIMEMOE_GEMM_SWAP_TAILS=1:
+    the weights as the wgmma's M, the rows as its N of 16 or 32; more rows take the split tile as before): against
+    the CPU kernels (whose padding rows are zeros: compared over every row), same bits twice."""
     monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "1")
     hidden, inter = SHAPES[shape]
     gpu = engine_operands(SWAP_COUNTS, hidden, inter, seed=11, device="cuda")
