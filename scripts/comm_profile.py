@@ -13,6 +13,7 @@ import os
 import statistics
 import sys
 import types
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -81,9 +82,24 @@ def main() -> int:
     with bench.rendezvous() as init_method:
         procs = mp.start_processes(_worker, args=(world, init_method, args, queue), nprocs=world, join=False,
                                    start_method="spawn")
-        results = dict(queue.get() for _ in range(world))  # before joining: a child exits once its result is read
-        while not procs.join():
-            pass
+        # As bench.py: join with a timeout and drain the queue meanwhile (a child exits once its result is read), so
+        # that a rank that dies ends the run instead of leaving the parent blocked on the queue.
+        results, failure, done = {}, None, False
+        while not done:
+            try:
+                done = procs.join(timeout=1)
+            except Exception as exc:  # a rank failed: join has terminated the others
+                failure, done = exc, True
+            while True:
+                try:
+                    rank, out = queue.get(timeout=0.1) if done else queue.get_nowait()
+                except Empty:
+                    break
+                results[rank] = out
+    if len(results) < world:
+        print(f"comm_profile: ranks {sorted(set(range(world)) - set(results))} gave no result: {failure or 'exited'}",
+              file=sys.stderr)
+        return 1
     for case in results[0]:
         print(f"== {case}: {results[0][case]['remote_mb']:.1f} MB per direction (rank 0)")
         for rank in sorted(results):
