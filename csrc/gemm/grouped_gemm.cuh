@@ -106,12 +106,13 @@ struct GemmConfig {
   // kRows (gemm_pairs_rows): 2-CTA clusters take row blocks 2q and 2q + 1 of one column tile; where both are one
   // expert's, each CTA loads half of the weight tile and multicasts it to both. With claim_tiles, rank 0 claims pairs.
   bool pair_rows;
-  // FC1 and FC2 (kRows, SwiGLU or plain store, K-major weights, TMA-loaded A) with GroupedGemmArgs::expert_rows: a
-  // split half tile multiplies only its routed
-  // rows (up to 32, rounded up to 16 or 32) as the wgmma's N against m64 blocks of the weights (swapped operands), instead of all 64
-  // rows as the M of two warpgroups' k-slices; most of the padding rows' products (5.6% of the rows at Qwen3-235B
-  // T = 8192) are skipped. Equal within rounding: each output sums its k-slices in one chain, not two partial sums.
-  // The counts must be the layout's: rows past them in the tile come out as zeros. Not with the rows-ready hook.
+  // FC1 and FC2 (kRows, SwiGLU or plain store, K-major weights, TMA-loaded A) with GroupedGemmArgs::expert_rows: an
+  // expert's last 64 rows (a split half tile, or a full tile's second half), when up to 32 of them are routed,
+  // multiply only those rounded up to 16 or 32, as the wgmma's N against m64 blocks of the weights (swapped
+  // operands), instead of all 64 as the M; most of the padding rows' products (5.6% of the rows at Qwen3-235B
+  // T = 8192) are skipped. Equal within rounding: a split tile's outputs sum their k-slices in one chain, not two
+  // partial sums. The counts must be the layout's: rows past them in the block come out as zeros. Not with the
+  // rows-ready hook.
   bool swap_tails;
 };
 

@@ -762,17 +762,21 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   RingPos<kStages> ring;
   uint32_t taken = 0;  // claimed order: tiles taken from the handoff
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
-  // The swapped tail (GemmConfig::swap_tails): in a split half tile with up to 32 routed rows, the weights are the
-  // wgmma's M and the rows its N, rounded up to N = 16 or 32, so the padding rows past N are not multiplied
-  // (an M-side operand is 64 rows whatever it holds). Warpgroup w takes two 64-row weight blocks (kFirstBlock: FC1's
-  // gate and up rows of activation columns [64 w, +64), FC2's rows of output columns [128 w, +128); two m64 x N
-  // accumulators in acc's registers, acc(0..) and acc(kHalf..)), over every k-slice, reading the A rows from the half
-  // the producer loaded them into (kt % 2); so no partial sums cross between the warpgroups, and both release every
-  // stage (one arrival per warp). A thread holds column frag_row + 8 ((i >> 1) & 1) of a block, row
-  // frag_col + 8 (i >> 2) + (i & 1) (the accumulator layout transposed): the epilogue writes its boxes column-wise
-  // in 16-bit stores, zeros in the rows past N, and stores each as one box.
-  auto swapped_tail = [&](auto rows_n, const Tile& tile, int32_t row0) {
+  // The swapped tail (GemmConfig::swap_tails): an expert's last 64 rows, when up to 32 of them are routed, take the
+  // weights as the wgmma's M and the rows as its N, rounded up to 16 or 32, so the padding rows past N are not
+  // multiplied (an M-side operand is 64 rows whatever it holds). In a split half tile (Blocks = 2) warpgroup w takes
+  // two 64-row weight blocks (kFirstBlock: FC1's gate and up rows of activation columns [64 w, +64), FC2's rows of
+  // output columns [128 w, +128)) over every k-slice, reading the rows from the half the producer loaded them into
+  // (kt % 2); no partial sums cross between the warpgroups. In a full tile whose second 64 rows hold the tail,
+  // warpgroup 1 alone (Blocks = 4) takes all four blocks of the weight tile against its own rows, while warpgroup 0
+  // multiplies its 64 rows as usual. Block j accumulates in acc(j * 128 / Blocks ..); every warp releases every
+  // stage once, as in a full tile. A thread holds column frag_row + 8 ((i >> 1) & 1) of a block, row
+  // frag_col + 8 (i >> 2) + (i & 1) (the accumulator layout transposed): the epilogue writes its boxes column-wise in
+  // 16-bit stores, zeros in the rows past N, and stores each as one box.
+  auto swapped_tail = [&](auto rows_n, auto blocks, const Tile& tile, int32_t row0) {
     constexpr int N = decltype(rows_n)::value;
+    constexpr int Blocks = decltype(blocks)::value;
+    constexpr int kBlockRegs = 128 / Blocks;
     if (kDeferred && holding) store_held();  // not behind the first wgmma: held through the loop, it spilled
     GMMA::ScaleOut scale = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
@@ -786,10 +790,18 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       for (int kb = 0; kb < size<2>(tCrA); ++kb) {
         // Descriptor start addresses count 16 bytes: a 64-row block of an operand tile is 8 KiB (512) on. This
         // warpgroup's A descriptor is at its own half; the B descriptor at weight row 0.
-        const uint64_t rows = uint64_t(tCrA(0, 0, kb, stage)) + uint64_t(int64_t(kt % 2 - wg) * 512);
-        const uint64_t weights = uint64_t(tCrB(0, 0, kb, stage)) + uint64_t(wg) * kFirstBlock;
-        swapped_fma<N, 0>(weights, rows, acc, scale, std::make_index_sequence<N / 2>{});
-        swapped_fma<N, kHalf>(weights + kSecondBlock, rows, acc, scale, std::make_index_sequence<N / 2>{});
+        const uint64_t weights = uint64_t(tCrB(0, 0, kb, stage));
+        if constexpr (Blocks == 2) {
+          const uint64_t rows = uint64_t(tCrA(0, 0, kb, stage)) + uint64_t(int64_t(kt % 2 - wg) * 512);
+          swapped_fma<N, 0>(weights + wg * kFirstBlock, rows, acc, scale, std::make_index_sequence<N / 2>{});
+          swapped_fma<N, kHalf>(weights + wg * kFirstBlock + kSecondBlock, rows, acc, scale,
+                                std::make_index_sequence<N / 2>{});
+        } else {
+          const uint64_t rows = uint64_t(tCrA(0, 0, kb, stage));
+          [&]<int... J>(std::integer_sequence<int, J...>) {
+            (swapped_fma<N, J * kBlockRegs>(weights + J * 512, rows, acc, scale, std::make_index_sequence<N / 2>{}), ...);
+          }(std::make_integer_sequence<int, Blocks>{});
+        }
         scale = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
@@ -816,50 +828,63 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       st_shared_b16(slots + box * kBoxBytes + swizzled(row_at + 8 * (i >> 2) + (i & 1), col_at + 8 * ((i >> 1) & 1)),
                     __float2bfloat16_rn(v));
     };
+    // Boxes 0 and 1 from blocks j0 and j1 (value i of block j is acc(j * kBlockRegs + i), scaled by `scale_of`),
+    // stored by TMA to `map` at columns c0 and c1; the next round waits for TMA to have read them.
+    auto store_pair = [&](int j0, int j1, auto scale_of, const CUtensorMap* map, int32_t c0, int32_t c1, bool last) {
+      CUTE_UNROLL
+      for (int i = 0; i < N / 2; ++i) {
+        const float w = scale_of(i);
+        put(0, i, acc(j0 * kBlockRegs + i) * w);
+        if (j1 >= 0) put(1, i, acc(j1 * kBlockRegs + i) * w);
+      }
+      staging_release(wg);
+      if (wtid == 0) {
+        tma_store(map, slots, c0, row0);
+        if (j1 >= 0) tma_store(map, slots + kBoxBytes, c1, row0);
+        store_commit();
+      }
+      if (!last) staging_acquire(wg, wtid);  // the boxes' rows past N stay zeros
+    };
     staging_acquire(wg, wtid);
     zero_rows_past_n(0);
     zero_rows_past_n(1);
     if constexpr (E == GemmEpilogue::kStore) {
-      // FC2: columns [128 wg, +128) of the tile, each row scaled by its routing weight.
+      // FC2: block j is output columns [64 j, +64) of the warpgroup's part, each row scaled by its routing weight.
+      auto weight = [&](int i) {
+        return args.row_weight != nullptr ? __ldg(args.row_weight + row0 + row_at + 8 * (i >> 2) + (i & 1)) : 1.0f;
+      };
+      const int32_t col = tile.n_tile * kGemmTileN + (Blocks == 2 ? 128 * wg : 0);
       CUTE_UNROLL
-      for (int i = 0; i < N / 2; ++i) {
-        const int32_t r = row0 + row_at + 8 * (i >> 2) + (i & 1);
-        const float w = args.row_weight != nullptr ? __ldg(args.row_weight + r) : 1.0f;
-        put(0, i, acc(i) * w);
-        put(1, i, acc(kHalf + i) * w);
-      }
-      staging_release(wg);
-      if (wtid == 0) {
-        const int32_t col = tile.n_tile * kGemmTileN + 128 * wg;
-        tma_store(&p.tma_out, slots, col, row0);
-        tma_store(&p.tma_out, slots + kBoxBytes, col + 64, row0);
-        store_commit();
+      for (int r = 0; r < Blocks / 2; ++r) {
+        store_pair(2 * r, 2 * r + 1, weight, &p.tma_out, col + 128 * r, col + 128 * r + 64, r + 1 == Blocks / 2);
       }
     } else {
-      const int32_t col = tile.n_tile * 128 + 64 * wg;
+      // FC1: block q < Blocks / 2 is the gate rows of activation columns [64 q, +64) of the warpgroup's part, block
+      // q + Blocks / 2 the up rows of the same columns.
+      constexpr int Q = Blocks / 2;
+      const int32_t col = tile.n_tile * 128 + (Blocks == 2 ? 64 * wg : 0);
+      auto one = [](int) { return 1.0f; };
       if (args.out_h != nullptr) {
-        CUTE_UNROLL
-        for (int i = 0; i < N / 2; ++i) {
-          put(0, i, acc(i));
-          put(1, i, acc(kHalf + i));
+        if constexpr (Q == 1) {
+          store_pair(0, 1, one, &p.tma_out2, col, int32_t(n) + col, false);
+        } else {
+          store_pair(0, 1, one, &p.tma_out2, col, col + 64, false);
+          store_pair(2, 3, one, &p.tma_out2, int32_t(n) + col, int32_t(n) + col + 64, false);
         }
-        staging_release(wg);
-        if (wtid == 0) {
-          tma_store(&p.tma_out2, slots, col, row0);
-          tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col, row0);
-          store_commit();
-        }
-        staging_acquire(wg, wtid);  // box 0's rows past N are still zeros
       }
       CUTE_UNROLL
       for (int i = 0; i < N / 2; ++i) {
-        const float g = __bfloat162float(__float2bfloat16_rn(acc(i)));
-        const float u = __bfloat162float(__float2bfloat16_rn(acc(kHalf + i)));
-        put(0, i, silu(g) * u);
+        CUTE_UNROLL
+        for (int q = 0; q < Q; ++q) {
+          const float g = __bfloat162float(__float2bfloat16_rn(acc(q * kBlockRegs + i)));
+          const float u = __bfloat162float(__float2bfloat16_rn(acc((q + Q) * kBlockRegs + i)));
+          put(q, i, silu(g) * u);
+        }
       }
       staging_release(wg);
       if (wtid == 0) {
         tma_store(&p.tma_out, slots, col, row0);
+        if (Q == 2) tma_store(&p.tma_out, slots + kBoxBytes, col + 64, row0);
         store_commit();
       }
     }
@@ -915,13 +940,20 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     if constexpr (kSwapsTails) {
       // Swapped only up to 32 routed rows: at N = 64 no product is skipped, and the four m64n64 wgmma per k16 read
       // 1.6x the shared-memory operand bytes of the split tile's one m64n256.
-      if (split && routed && p.swap_tails) {
-        const int32_t valid = args.expert_rows[tile.expert] - (tile.m0 - args.expert_offsets[tile.expert]);
+      // A split half tile, or warpgroup 1's rows of a full tile, holding an expert's last rows.
+      if (routed && p.swap_tails && (split || wg == 1)) {
+        const int32_t valid = args.expert_rows[tile.expert] - (row0 - args.expert_offsets[tile.expert]);
         if (valid <= 32) {
-          if (valid <= 16) {
-            swapped_tail(Int<16>{}, tile, row0);
+          if (split) {
+            if (valid <= 16) {
+              swapped_tail(Int<16>{}, Int<2>{}, tile, row0);
+            } else {
+              swapped_tail(Int<32>{}, Int<2>{}, tile, row0);
+            }
+          } else if (valid <= 16) {
+            swapped_tail(Int<16>{}, Int<4>{}, tile, row0);
           } else {
-            swapped_tail(Int<32>{}, tile, row0);
+            swapped_tail(Int<32>{}, Int<4>{}, tile, row0);
           }
           ring.advance(tile.k_tiles);
           continue;

@@ -64,18 +64,18 @@ def test_forward_ops_match_cpu(counts, shape):
     assert_rows_close("fc2 weighted", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu.row_weight))
 
 
-# Half tiles with 1..64 routed rows (swapped at N = 16 and 32, each edge, split above), next to full tiles and empty
-# experts; 12 rounds,
+# Last 64-row blocks with 1..64 routed rows, as half tiles (1..64, 129, 300) and as full tiles' second halves (65..128,
+# 200, 224): swapped at N = 16 and 32, each edge, multiplied as before above; empty experts between; 12 rounds,
 # so CTAs run several tiles of each kind.
-SWAP_COUNTS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 300] * 12
+SWAP_COUNTS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 80, 81, 96, 97, 0, 127, 128, 129, 200, 224, 300] * 12
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("keep_fc1", [True, False])
 def test_swapped_tails_match_cpu(monkeypatch, shape, keep_fc1):
-    """FC1 and FC2 with their split half tiles of up to 32 routed rows multiplying only those (PRIMEMOE_GEMM_SWAP_TAILS=1:
-    the weights as the wgmma's M, the rows as its N of 16 or 32; more rows take the split tile as before): against
-    the CPU kernels (whose padding rows are zeros: compared over every row), same bits twice."""
+    """FC1 and FC2 with experts' last 64-row blocks of up to 32 routed rows multiplying only those
+    (PRIMEMOE_GEMM_SWAP_TAILS=1: the weights as the wgmma's M, the rows as its N of 16 or 32; more rows as before):
+    against the CPU kernels (whose padding rows are zeros: compared over every row), same bits twice."""
     monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "1")
     hidden, inter = SHAPES[shape]
     gpu = engine_operands(SWAP_COUNTS, hidden, inter, seed=11, device="cuda")
@@ -97,9 +97,10 @@ def test_swapped_tails_match_cpu(monkeypatch, shape, keep_fc1):
 
 def test_swapped_tails_skip_the_padding_rows(monkeypatch):
     """The probe that the swapped path ran: padding rows of the inputs made nonzero (the layout leaves zeros) reach
-    FC1's and FC2's outputs where padding rows are multiplied, but not past the swapped tiles' N (experts of 16 and
-    32 rows, and 128 + 16), while the routed rows are unchanged."""
-    counts = [16, 32, 144, 3, 300] * 40
+    FC1's and FC2's outputs where padding rows are multiplied, but not past the swapped tails' N (experts of 16, 32
+    and 128 + 16 rows, whose last blocks are half tiles; of 64 + 16 and 64 + 32, full tiles' second halves), while
+    the routed rows are unchanged."""
+    counts = [16, 32, 144, 80, 96, 3, 300] * 30
     gpu = engine_operands(counts, 256, 256, seed=12, device="cuda")
     xs = gpu.xs.clone()
     routed = torch.zeros(xs.shape[0], dtype=torch.bool, device="cuda")
@@ -108,7 +109,7 @@ def test_swapped_tails_skip_the_padding_rows(monkeypatch):
     xs[~routed] = 1.0
     probe = torch.zeros_like(routed)
     for e, c in enumerate(counts):
-        if c in (16, 32, 144):
+        if c in (16, 32, 144, 80, 96):
             lo = int(gpu.offsets[e]) + c
             probe[lo:int(gpu.offsets[e + 1])] = True
     a = gpu.a.clone()
