@@ -281,8 +281,8 @@ __device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0));
 }
 
-// Swapped tails (GemmConfig::swap_tails): the wgmma of an m64 weight block by the tile's first `N` rows (16 or 32),
-// both K-major operands from shared memory.
+// Swapped tails (GemmConfig::swap_tails): the wgmma of an m64 weight block by `N` rows (16 or 32), both K-major
+// operands from shared memory.
 template <int N>
 struct SwappedMma;
 template <>
@@ -294,11 +294,20 @@ struct SwappedMma<32> {
   using Op = SM90_64x32x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
 };
 
-// acc(Base + i) for i < N / 2 are the swapped wgmma's accumulator registers.
-template <int N, int Base, class Acc, size_t... I>
-__device__ __forceinline__ void swapped_fma(uint64_t weights, uint64_t rows, Acc& acc, GMMA::ScaleOut scale,
+template <int B, int M>
+__device__ __forceinline__ void fence_swapped(float (&d)[B][M]) {
+  CUTE_UNROLL
+  for (int b = 0; b < B; ++b) {
+    CUTE_UNROLL
+    for (int i = 0; i < M; ++i) asm volatile("" : "+f"(d[b][i])::"memory");
+  }
+}
+
+// d[i] for i < N / 2 are the swapped wgmma's accumulator registers.
+template <int N, size_t... I>
+__device__ __forceinline__ void swapped_fma(uint64_t weights, uint64_t rows, float* d, GMMA::ScaleOut scale,
                                             std::index_sequence<I...>) {
-  SwappedMma<N>::Op::fma(weights, rows, acc(Base + int(I))..., scale);
+  SwappedMma<N>::Op::fma(weights, rows, d[I]..., scale);
 }
 
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
@@ -769,22 +778,22 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // output columns [128 w, +128)) over every k-slice, reading the rows from the half the producer loaded them into
   // (kt % 2); no partial sums cross between the warpgroups. In a full tile whose second 64 rows hold the tail,
   // warpgroup 1 alone (Blocks = 4) takes all four blocks of the weight tile against its own rows, while warpgroup 0
-  // multiplies its 64 rows as usual. Block j accumulates in acc(j * 128 / Blocks ..); every warp releases every
-  // stage once, as in a full tile. A thread holds column frag_row + 8 ((i >> 1) & 1) of a block, row
+  // multiplies its 64 rows as usual. Block j accumulates in sacc[j] (acc's registers: see the tile loop); every warp
+  // releases every stage once, as in a full tile. A thread holds column frag_row + 8 ((i >> 1) & 1) of a block, row
   // frag_col + 8 (i >> 2) + (i & 1) (the accumulator layout transposed): the epilogue writes its boxes column-wise in
   // 16-bit stores, zeros in the rows past N, and stores each as one box.
   auto swapped_tail = [&](auto rows_n, auto blocks, const Tile& tile, int32_t row0) {
     constexpr int N = decltype(rows_n)::value;
     constexpr int Blocks = decltype(blocks)::value;
-    constexpr int kBlockRegs = 128 / Blocks;
     if (kDeferred && holding) store_held();  // not behind the first wgmma: held through the loop, it spilled
+    float sacc[Blocks][N / 2];
     GMMA::ScaleOut scale = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
     RingPos<kStages> pos = ring;
     for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
       const int stage = pos.stage;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
-      warpgroup_fence_operand(acc);
+      fence_swapped(sacc);
       warpgroup_arrive();
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tCrA); ++kb) {
@@ -793,26 +802,26 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const uint64_t weights = uint64_t(tCrB(0, 0, kb, stage));
         if constexpr (Blocks == 2) {
           const uint64_t rows = uint64_t(tCrA(0, 0, kb, stage)) + uint64_t(int64_t(kt % 2 - wg) * 512);
-          swapped_fma<N, 0>(weights + wg * kFirstBlock, rows, acc, scale, std::make_index_sequence<N / 2>{});
-          swapped_fma<N, kHalf>(weights + wg * kFirstBlock + kSecondBlock, rows, acc, scale,
-                                std::make_index_sequence<N / 2>{});
+          swapped_fma<N>(weights + wg * kFirstBlock, rows, sacc[0], scale, std::make_index_sequence<N / 2>{});
+          swapped_fma<N>(weights + wg * kFirstBlock + kSecondBlock, rows, sacc[1], scale,
+                         std::make_index_sequence<N / 2>{});
         } else {
           const uint64_t rows = uint64_t(tCrA(0, 0, kb, stage));
           [&]<int... J>(std::integer_sequence<int, J...>) {
-            (swapped_fma<N, J * kBlockRegs>(weights + J * 512, rows, acc, scale, std::make_index_sequence<N / 2>{}), ...);
+            (swapped_fma<N>(weights + J * 512, rows, sacc[J], scale, std::make_index_sequence<N / 2>{}), ...);
           }(std::make_integer_sequence<int, Blocks>{});
         }
         scale = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
       warpgroup_wait<1>();
-      warpgroup_fence_operand(acc);
+      fence_swapped(sacc);
       if (prev_stage >= 0) release(prev_stage, 1);
       prev_stage = stage;
       pos.step(1);
     }
     warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
+    fence_swapped(sacc);
     if (prev_stage >= 0) release(prev_stage, 1);
     auto zero_rows_past_n = [&](int box) {
       for (int idx = wtid; idx < (64 - N) * 8; idx += 128) {
@@ -828,14 +837,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       st_shared_b16(slots + box * kBoxBytes + swizzled(row_at + 8 * (i >> 2) + (i & 1), col_at + 8 * ((i >> 1) & 1)),
                     __float2bfloat16_rn(v));
     };
-    // Boxes 0 and 1 from blocks j0 and j1 (value i of block j is acc(j * kBlockRegs + i), scaled by `scale_of`),
+    // Boxes 0 and 1 from blocks j0 and j1 (value i of block j is sacc[j][i], scaled by `scale_of`),
     // stored by TMA to `map` at columns c0 and c1; the next round waits for TMA to have read them.
     auto store_pair = [&](int j0, int j1, auto scale_of, const CUtensorMap* map, int32_t c0, int32_t c1, bool last) {
       CUTE_UNROLL
       for (int i = 0; i < N / 2; ++i) {
         const float w = scale_of(i);
-        put(0, i, acc(j0 * kBlockRegs + i) * w);
-        if (j1 >= 0) put(1, i, acc(j1 * kBlockRegs + i) * w);
+        put(0, i, sacc[j0][i] * w);
+        if (j1 >= 0) put(1, i, sacc[j1][i] * w);
       }
       staging_release(wg);
       if (wtid == 0) {
@@ -876,8 +885,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       for (int i = 0; i < N / 2; ++i) {
         CUTE_UNROLL
         for (int q = 0; q < Q; ++q) {
-          const float g = __bfloat162float(__float2bfloat16_rn(acc(q * kBlockRegs + i)));
-          const float u = __bfloat162float(__float2bfloat16_rn(acc((q + Q) * kBlockRegs + i)));
+          const float g = __bfloat162float(__float2bfloat16_rn(sacc[q][i]));
+          const float u = __bfloat162float(__float2bfloat16_rn(sacc[q + Q][i]));
           put(q, i, silu(g) * u);
         }
       }
@@ -938,10 +947,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     };
     if (kLoadsQuarters && !routed) prefetch_first_quarter();
     if constexpr (kSwapsTails) {
+      // The accumulator's values from the previous tile are dead here (the wgmma asm reads them, as far as the
+      // compiler knows, even when told to zero them): declared undefined, their registers hold the swapped tail's
+      // accumulators. (Aliased into acc instead, the second accumulator shape made ptxas serialise every wgmma, C7511;
+      // beside a live acc they spilled.)
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) asm volatile("" : "=f"(acc(i)));
       // Swapped only up to 32 routed rows: at N = 64 no product is skipped, and the four m64n64 wgmma per k16 read
       // 1.6x the shared-memory operand bytes of the split tile's one m64n256.
       // A split half tile, or warpgroup 1's rows of a full tile, holding an expert's last rows.
-      if (routed && p.swap_tails && (split || wg == 1)) {
+      if (routed && p.swap_tails && (split || (wg == 1 && tile.rows == kGemmTileM))) {
         const int32_t valid = args.expert_rows[tile.expert] - (row0 - args.expert_offsets[tile.expert]);
         if (valid <= 32) {
           if (split) {
