@@ -384,7 +384,7 @@ def _time(runner, inp: Inputs, args, group, flush_buf) -> tuple:
             dist.all_reduce(token, group=group)
 
     # Every implementation starts from the same idle GPU: timed right after a heavier one (the baseline, the fp64
-    # reference), primemoe measured up to 7% slower on the H200, power-capped and hotter.
+    # reference), primemoe measured up to 6.5% slower on the H200, power-capped and hotter.
     torch.cuda.synchronize()
     time.sleep(args.settle)
     events = []
@@ -763,7 +763,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=_int_from(0), default=5)
     p.add_argument("--iters", type=_int_from(1), default=20, help="timed iterations (median reported)")
     p.add_argument("--settle", type=_seconds, default=2.0,
-                   help="seconds the GPU idles before each case and implementation is timed (layer only)")
+                   help="seconds the GPU idles before each case and implementation is timed (layer only; "
+                        "default 2)")
     p.add_argument("--skip-reference-above", type=_int_from(1), metavar="TOKENS",
                    help="run the reference only up to this many tokens per rank (default: the smallest --tokens)")
     p.add_argument("--seed", type=int, default=0)
