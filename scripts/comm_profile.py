@@ -13,7 +13,6 @@ import os
 import statistics
 import sys
 import types
-from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -82,20 +81,8 @@ def main() -> int:
     with bench.rendezvous() as init_method:
         procs = mp.start_processes(_worker, args=(world, init_method, args, queue), nprocs=world, join=False,
                                    start_method="spawn")
-        # As bench.py: join with a timeout and drain the queue meanwhile (a child exits once its result is read), so
-        # that a rank that dies ends the run instead of leaving the parent blocked on the queue.
-        results, failure, done = {}, None, False
-        while not done:
-            try:
-                done = procs.join(timeout=1)
-            except Exception as exc:  # a rank failed: join has terminated the others
-                failure, done = exc, True
-            while True:
-                try:
-                    rank, out = queue.get(timeout=0.1) if done else queue.get_nowait()
-                except Empty:
-                    break
-                results[rank] = out
+        items, failure = bench.join_ranks(procs, queue)
+    results = dict(items)
     if len(results) < world:
         print(f"comm_profile: ranks {sorted(set(range(world)) - set(results))} gave no result: {failure or 'exited'}",
               file=sys.stderr)

@@ -210,3 +210,29 @@ def test_rendezvous_is_a_file_store_removed_afterwards():
         finally:
             dist.destroy_process_group()
     assert not os.path.exists(directory)
+
+
+def _put_rank(rank, results):
+    results.put((rank, 10 * rank))
+
+
+def _rank_1_fails(rank, results):
+    if rank == 1:
+        raise RuntimeError("rank 1 fails")
+    results.put((rank, "ok"))
+
+
+def test_join_ranks_collects_every_result_and_ends_on_a_failing_rank():
+    """The EP benchmark's and comm_profile's join: every rank's result, and a rank that raises ends the join
+    with its error instead of leaving the parent waiting for its result."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    items, failure = bench.join_ranks(mp.start_processes(_put_rank, args=(results,), nprocs=2, join=False,
+                                                         start_method="spawn"), results)
+    assert sorted(items) == [(0, 0), (1, 10)] and failure is None
+    results = ctx.Queue()
+    items, failure = bench.join_ranks(mp.start_processes(_rank_1_fails, args=(results,), nprocs=2, join=False,
+                                                         start_method="spawn"), results)
+    assert failure is not None and "rank 1 fails" in failure and (1, "ok") not in items

@@ -563,26 +563,34 @@ def rendezvous():
         yield "file://" + os.path.join(directory, "store")
 
 
+def join_ranks(procs, results) -> tuple:
+    """Joins spawned ranks while draining their result queue (a full pipe would block them, and a child exits only
+    once its results are read); a rank that fails ends the join (torch terminates the others). Returns the items
+    the ranks put and the failure's text, or None."""
+    items, failure, done = [], None, False
+    while not done:
+        try:
+            done = procs.join(timeout=1)
+        except Exception as exc:
+            failure, done = _error_text(exc), True
+        while True:
+            try:
+                items.append(results.get(timeout=0.1) if done else results.get_nowait())
+            except queue.Empty:
+                break
+    return items, failure
+
+
 def _run_ep(cases: list, args, total: int) -> list:
     """Spawn one process per rank; keep what rank 0 reported even if a rank dies."""
     import torch.multiprocessing as mp
     ep = cases[0].ep
     results = mp.get_context("spawn").Queue()
-    got, failure, done = {}, None, False
     with rendezvous() as init_method:
         procs = mp.start_processes(_worker, args=(ep, init_method, cases, args, total, results),
                                    nprocs=ep, join=False, start_method="spawn")
-        while not done:
-            try:
-                done = procs.join(timeout=1)
-            except Exception as exc:
-                failure, done = _error_text(exc), True
-            while True:  # drain while running: a full pipe would block the workers
-                try:
-                    index, result = results.get(timeout=0.1) if done else results.get_nowait()
-                except queue.Empty:
-                    break
-                got[index] = result
+        items, failure = join_ranks(procs, results)
+    got = dict(items)
     for case in cases:
         if case.index not in got:
             got[case.index] = (_result(case, "n/a", case.skip) if case.skip else
