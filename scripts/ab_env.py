@@ -60,12 +60,12 @@ def main():
         x, idx, w, w1, w2, dy = layer_inputs(shape, T)
         cnt, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
         xs = lib.gather_rows(x, r2s, K, None, s2r)
-        act, h = lib.fc1_swiglu(xs, w1, off, True)
+        act = lib.fc1_swiglu(xs, w1, off, True)[0]
         rw = ops.row_weights(w, r2s)
         _, fc1_out = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
         stages = {
-            "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),
-            "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
+            "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True, expert_rows=cnt),
+            "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw, expert_rows=cnt),
             "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
             "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
         }
@@ -81,7 +81,7 @@ def main():
             row = results[f"{shape}/{T} {stage}"]
             print(f"{shape}/{T} {stage:8}", "  ".join(f"{n} {statistics.median(v):.4f} {v}" for n, v in row.items()),
                   flush=True)
-        del x, w1, w2, xs, act, h, dy, fc1_out
+        del x, w1, w2, xs, act, dy, fc1_out
         torch.cuda.empty_cache()
     if a.out:
         json.dump({"device": torch.cuda.get_device_name(), "variants": dict(a.variant), "ms": results},
