@@ -647,20 +647,10 @@ PairRows pair_rows_from_env() {
   return v == "1" ? PairRows::kOn : PairRows::kOff;
 }
 
-// PRIMEMOE_GEMM_SWAP_TAILS=1: FC1's split half tiles multiply only their routed rows (GemmConfig::swap_tails, where
-// the caller passes the layout's counts); unset or 0: not. Read at every launch, as the tile order.
-bool swap_tails_from_env() {
-  const char* swap = std::getenv("PRIMEMOE_GEMM_SWAP_TAILS");
-  if (swap == nullptr || *swap == '\0') return false;
-  const std::string v(swap);
-  PRIMEMOE_CHECK(v == "0" || v == "1", "PRIMEMOE_GEMM_SWAP_TAILS: expected 0 or 1, got '", v, "'");
-  return v == "1";
-}
-
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
   const char* why = "";
   PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
-  const GemmConfig config = choose_gemm_config(g, tile_order_from_env(), pair_rows_from_env(), swap_tails_from_env());
+  const GemmConfig config = choose_gemm_config(g, tile_order_from_env(), pair_rows_from_env());
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {
@@ -668,15 +658,6 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
     args.tile_counter = counter.data_ptr<int32_t>();
   }
   check_cuda(launch_grouped_gemm(args, config, c10::cuda::getCurrentCUDAStream()), what);
-}
-
-// The layout's routed rows per expert (dispatch_layout's counts), where an op takes them.
-void check_expert_rows(const std::optional<at::Tensor>& expert_rows, const at::Tensor& offsets, const at::Tensor& like) {
-  if (!expert_rows.has_value()) return;
-  check_index(*expert_rows, "expert_rows", 1);
-  PRIMEMOE_CHECK(expert_rows->numel() == offsets.numel() - 1, "expert_rows: expected one count per expert (",
-                 offsets.numel() - 1, "), got ", expert_rows->numel());
-  check_same_device(*expert_rows, like, "expert_rows");
 }
 
 // rows [R, K] x w[e] for each expert's rows: w is [E, N, K] (w_kn = false) or [E, K, N].
@@ -699,11 +680,9 @@ void check_row_weight(const std::optional<at::Tensor>& row_weight, const at::Ten
 }
 
 at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
-                            const std::optional<at::Tensor>& row_weight, bool zero_unrouted,
-                            const std::optional<at::Tensor>& expert_rows) {
+                            const std::optional<at::Tensor>& row_weight, bool zero_unrouted) {
   check_expert_gemm_args(rows, w, offsets, w_kn);
   check_row_weight(row_weight, rows);
-  check_expert_rows(expert_rows, offsets, rows);
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t n = w_kn ? w.size(2) : w.size(1);
   auto out = at::empty({rows.size(0), n}, rows.options());
@@ -711,7 +690,6 @@ at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const a
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kStore, rows, w, !w_kn, 0, n, rows.size(1), offsets, out);
   g.row_weight = row_weight.has_value() ? row_weight->data_ptr<float>() : nullptr;
   g.skip_unrouted_rows = !zero_unrouted;
-  g.expert_rows = expert_rows.has_value() ? expert_rows->data_ptr<int32_t>() : nullptr;
   run_gemm(g, rows, "expert_gemm");
   return out;
 }
@@ -731,11 +709,9 @@ at::Tensor expert_products_cpu(const at::Tensor& rows, const at::Tensor& w, cons
 
 // On the CPU the rows past the routed ones are zeros either way (zeros are one of the undefined values).
 at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
-                           const std::optional<at::Tensor>& row_weight, bool,
-                           const std::optional<at::Tensor>& expert_rows) {
+                           const std::optional<at::Tensor>& row_weight, bool) {
   check_expert_gemm_args(rows, w, offsets, w_kn);
   check_row_weight(row_weight, rows);
-  check_expert_rows(expert_rows, offsets, rows);
   auto out = expert_products_cpu(rows, w, offsets, w_kn);
   if (row_weight.has_value()) out *= row_weight->unsqueeze(1);
   return out.to(at::kBFloat16);
@@ -771,11 +747,9 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
                                                    const at::Tensor& offsets, bool keep_fc1,
                                                    const std::optional<at::Tensor>& rows_ready,
                                                    const std::optional<at::Tensor>& epoch, int64_t per_epoch,
-                                                   int64_t rank, bool zero_unrouted,
-                                                   const std::optional<at::Tensor>& expert_rows) {
+                                                   int64_t rank, bool zero_unrouted) {
   check_fc1_args(rows, w1, offsets);
   check_rows_ready(rows_ready, epoch, w1, per_epoch);
-  check_expert_rows(expert_rows, offsets, rows);
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t inter = w1.size(1) / 2;
   auto a = at::empty({rows.size(0), inter}, rows.options());
@@ -784,7 +758,6 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, rows, w1, true, 0, inter, rows.size(1), offsets, a);
   g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
   g.skip_unrouted_rows = !zero_unrouted;
-  g.expert_rows = expert_rows.has_value() ? expert_rows->data_ptr<int32_t>() : nullptr;
   if (rows_ready.has_value()) {
     g.hook.counters = reinterpret_cast<const uint64_t*>(rows_ready->data_ptr<int64_t>());
     g.hook.epoch = epoch->data_ptr<int64_t>();
@@ -802,10 +775,9 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cpu(const at::Tensor& rows, const 
                                                   const at::Tensor& offsets, bool keep_fc1,
                                                   const std::optional<at::Tensor>& rows_ready,
                                                   const std::optional<at::Tensor>& epoch, int64_t per_epoch,
-                                                  int64_t, bool, const std::optional<at::Tensor>& expert_rows) {
+                                                  int64_t, bool) {
   check_fc1_args(rows, w1, offsets);
   check_rows_ready(rows_ready, epoch, w1, per_epoch);
-  check_expert_rows(expert_rows, offsets, rows);
   const int64_t inter = w1.size(1) / 2;
   auto h = expert_products_cpu(rows, w1, offsets, false).to(at::kBFloat16);
   auto hf = h.to(at::kFloat);
@@ -853,7 +825,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cpu(const at::Tensor& x, co
                                                          const at::Tensor& offsets, bool keep_fc1) {
   check_fc1_gather_args(x, row_to_slot, top_k, w1, offsets);
   return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt, std::nullopt), w1, offsets, keep_fc1, std::nullopt,
-                        std::nullopt, 1, 0, true, std::nullopt);
+                        std::nullopt, 1, 0, true);
 }
 
 void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const at::Tensor& h,
@@ -928,7 +900,11 @@ void check_wgrad_args(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
   check_index(offsets, "expert_offsets", 1);
   PRIMEMOE_CHECK(offsets.numel() >= 2, "expert_offsets: expected at least one expert");
   check_same_device(offsets, a_rows, "expert_offsets");
-  check_expert_rows(expert_rows, offsets, a_rows);
+  if (!expert_rows.has_value()) return;
+  check_index(*expert_rows, "expert_rows", 1);
+  PRIMEMOE_CHECK(expert_rows->numel() == offsets.numel() - 1, "expert_rows: expected one count per expert (",
+                 offsets.numel() - 1, "), got ", expert_rows->numel());
+  check_same_device(*expert_rows, a_rows, "expert_rows");
 }
 
 at::Tensor expert_wgrad_cuda(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
@@ -984,11 +960,10 @@ TORCH_LIBRARY(primemoe, m) {
   // callers that read only the routed rows.
   m.def(
       "expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn, Tensor? row_weight=None, "
-      "bool zero_unrouted=True, Tensor? expert_rows=None) -> Tensor");
+      "bool zero_unrouted=True) -> Tensor");
   m.def(
       "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
-      "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True, Tensor? expert_rows=None) "
-      "-> (Tensor a, Tensor h)");
+      "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True) -> (Tensor a, Tensor h)");
   m.def(
       "fc1_swiglu_gather(Tensor x, Tensor row_to_slot, int top_k, Tensor w1, Tensor expert_offsets, bool keep_fc1) "
       "-> (Tensor a, Tensor h)");

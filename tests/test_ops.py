@@ -109,25 +109,6 @@ def test_opcheck_fc1_swiglu(engine, keep_fc1):
     torch.library.opcheck(ops.fc1_swiglu, (engine.xs, engine.w1, engine.offsets, keep_fc1))
 
 
-def test_row_gemms_take_the_layouts_counts(engine):
-    """expert_rows of fc1_swiglu and expert_gemm (the layout's counts, with which the engine may skip padding rows)
-    changes nothing on the CPU, and is checked."""
-    e = engine
-    torch.library.opcheck(ops.fc1_swiglu, (e.xs, e.w1, e.offsets, True), {"expert_rows": e.counts})
-    for got, want in zip(ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, expert_rows=e.counts),
-                         ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)):
-        assert torch.equal(got, want)
-    with pytest.raises(RuntimeError, match=r"expert_rows: expected one count per expert"):
-        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, expert_rows=e.counts[:-1])
-    with pytest.raises(RuntimeError, match="expert_rows: expected int32"):
-        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, expert_rows=e.counts.long())
-    torch.library.opcheck(ops.expert_gemm, (e.a, e.w2, e.offsets, False, e.row_weight), {"expert_rows": e.counts})
-    assert torch.equal(ops.expert_gemm(e.a, e.w2, e.offsets, False, e.row_weight, expert_rows=e.counts),
-                       ops.expert_gemm(e.a, e.w2, e.offsets, False, e.row_weight))
-    with pytest.raises(RuntimeError, match=r"expert_rows: expected one count per expert"):
-        ops.expert_gemm(e.a, e.w2, e.offsets, False, expert_rows=e.counts[:-1])
-
-
 def test_opcheck_row_gemms_with_zero_unrouted_false(engine):
     e = engine
     no_zeros = {"zero_unrouted": False}

@@ -158,7 +158,7 @@ bool gemm_pairs_pay(const GroupedGemmArgs& a) {
   return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && max_output_tiles(a) > a.num_sms;
 }
 
-GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs, bool swap_tails) {
+GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
@@ -168,9 +168,6 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) &&
                      (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
-  // Not under the rows-ready hook: the consumers read the counts with no order against the producer's wait.
-  config.swap_tails = swap_tails && config.split_half_tiles && a.epilogue != GemmEpilogue::kSwiGLUBackward &&
-                      a.b_k_major && a.a_row_src == nullptr && a.expert_rows != nullptr && a.hook.counters == nullptr;
   return config;
 }
 
@@ -182,7 +179,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.split_half_tiles = config.split_half_tiles;
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
-  params.swap_tails = config.swap_tails;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -69,7 +69,6 @@ struct GroupedGemmArgs {
   int32_t k;         // kRows only: reduction length
   int32_t num_experts;
   const int32_t* expert_offsets;  // [E + 1], multiples of kGemmRowAlign
-  // kRows, optional: [E] routed rows of each expert (the layout's counts), for GemmConfig::swap_tails.
   // kExperts, optional: [E] routed rows of each expert (the layout's counts). The reduction then stops
   // at the last 64-row k-slice holding a routed row: the padding rows after it are zeros (as every
   // producer of the layout leaves them), so no output changes, and up to a k-slice of work per expert
@@ -106,14 +105,6 @@ struct GemmConfig {
   // kRows (gemm_pairs_rows): 2-CTA clusters take row blocks 2q and 2q + 1 of one column tile; where both are one
   // expert's, each CTA loads half of the weight tile and multicasts it to both. With claim_tiles, rank 0 claims pairs.
   bool pair_rows;
-  // FC1 and FC2 (kRows, SwiGLU or plain store, K-major weights, TMA-loaded A) with GroupedGemmArgs::expert_rows: an
-  // expert's last 64 rows (a split half tile, or a full tile's second half), when up to 32 of them are routed,
-  // multiply only those rounded up to 16 or 32, as the wgmma's N against m64 blocks of the weights (swapped
-  // operands), instead of all 64 as the M; most of the padding rows' products (5.6% of the rows at Qwen3-235B
-  // T = 8192) are skipped. Equal within rounding: a split tile's outputs sum their k-slices in one chain, not two
-  // partial sums. The counts must be the layout's: rows past them in the block come out as zeros. Not with the
-  // rows-ready hook.
-  bool swap_tails;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same
@@ -125,7 +116,7 @@ enum class TileOrder { kAuto, kStatic, kClaimed };
 enum class PairRows { kAuto, kOff, kOn };
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto,
-                              PairRows pairs = PairRows::kAuto, bool swap_tails = false);
+                              PairRows pairs = PairRows::kAuto);
 
 // The variants built with the claimed tile order. Not a gathered A: its 128 producer threads walk the
 // tiles, one claims. Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas

@@ -273,43 +273,6 @@ __device__ __forceinline__ __nv_bfloat162 get_pair(uint32_t slots, int box, int 
   return *reinterpret_cast<const __nv_bfloat162*>(&v);
 }
 
-__device__ __forceinline__ void st_shared_b16(uint32_t addr, __nv_bfloat16 v) {
-  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(*reinterpret_cast<const uint16_t*>(&v)));
-}
-
-__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0));
-}
-
-// Swapped tails (GemmConfig::swap_tails): the wgmma of an m64 weight block by `N` rows (16 or 32), both K-major
-// operands from shared memory.
-template <int N>
-struct SwappedMma;
-template <>
-struct SwappedMma<16> {
-  using Op = SM90_64x16x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
-};
-template <>
-struct SwappedMma<32> {
-  using Op = SM90_64x32x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
-};
-
-template <int B, int M>
-__device__ __forceinline__ void fence_swapped(float (&d)[B][M]) {
-  CUTE_UNROLL
-  for (int b = 0; b < B; ++b) {
-    CUTE_UNROLL
-    for (int i = 0; i < M; ++i) asm volatile("" : "+f"(d[b][i])::"memory");
-  }
-}
-
-// d[i] for i < N / 2 are the swapped wgmma's accumulator registers.
-template <int N, size_t... I>
-__device__ __forceinline__ void swapped_fma(uint64_t weights, uint64_t rows, float* d, GMMA::ScaleOut scale,
-                                            std::index_sequence<I...>) {
-  SwappedMma<N>::Op::fma(weights, rows, d[I]..., scale);
-}
-
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
 
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1) {
@@ -691,12 +654,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // (see the epilogue); values [0, 64) are the first weight half's columns, [64, 128) the second's.
   Tensor acc = partition_fragment_C(tiled_mma, Shape<_128, Int<kGemmTileN>>{});
   constexpr int kHalf = 64;
-  // Swapped tails: FC1 and FC2 (the forward's K-major weights, TMA-loaded A). Warpgroup wg's two m64 weight blocks
-  // start kFirstBlock * wg and kSecondBlock further (16-byte units): FC1's gate and up rows of its 64 activation
-  // columns, FC2's rows of its 128 output columns.
-  constexpr bool kSwapsTails = S == GemmSchedule::kRows && BKMajor && !GatherA && E != GemmEpilogue::kSwiGLUBackward;
-  constexpr uint64_t kFirstBlock = E == GemmEpilogue::kSwiGLU ? 512 : 1024;
-  constexpr uint64_t kSecondBlock = E == GemmEpilogue::kSwiGLU ? 1024 : 512;
   // A half tile (an expert's last 64 rows, kRows) is split along K: the warpgroups take alternate
   // k-slices, each finding the tile's rows in its own half of the A tile, and warpgroup 1's partial sums
   // join warpgroup 0's, which alone runs the epilogue. Two accumulator chains keep the tensor cores fed
@@ -771,133 +728,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   RingPos<kStages> ring;
   uint32_t taken = 0;  // claimed order: tiles taken from the handoff
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
-  // The swapped tail (GemmConfig::swap_tails): an expert's last 64 rows, when up to 32 of them are routed, take the
-  // weights as the wgmma's M and the rows as its N, rounded up to 16 or 32, so the padding rows past N are not
-  // multiplied (an M-side operand is 64 rows whatever it holds). In a split half tile (Blocks = 2) warpgroup w takes
-  // two 64-row weight blocks (kFirstBlock: FC1's gate and up rows of activation columns [64 w, +64), FC2's rows of
-  // output columns [128 w, +128)) over every k-slice, reading the rows from the half the producer loaded them into
-  // (kt % 2); no partial sums cross between the warpgroups. In a full tile whose second 64 rows hold the tail,
-  // warpgroup 1 alone (Blocks = 4) takes all four blocks of the weight tile against its own rows, while warpgroup 0
-  // multiplies its 64 rows as usual. Block j accumulates in sacc[j] (acc's registers: see the tile loop); every warp
-  // releases every stage once, as in a full tile. A thread holds column frag_row + 8 ((i >> 1) & 1) of a block, row
-  // frag_col + 8 (i >> 2) + (i & 1) (the accumulator layout transposed): the epilogue writes its boxes column-wise in
-  // 16-bit stores, zeros in the rows past N, and stores each as one box.
-  auto swapped_tail = [&](auto rows_n, auto blocks, const Tile& tile, int32_t row0) {
-    constexpr int N = decltype(rows_n)::value;
-    constexpr int Blocks = decltype(blocks)::value;
-    if (kDeferred && holding) store_held();  // not behind the first wgmma: held through the loop, it spilled
-    float sacc[Blocks][N / 2];
-    GMMA::ScaleOut scale = GMMA::ScaleOut::Zero;
-    int prev_stage = -1;
-    RingPos<kStages> pos = ring;
-    for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
-      const int stage = pos.stage;
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
-      fence_swapped(sacc);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        // Descriptor start addresses count 16 bytes: a 64-row block of an operand tile is 8 KiB (512) on. This
-        // warpgroup's A descriptor is at its own half; the B descriptor at weight row 0.
-        const uint64_t weights = uint64_t(tCrB(0, 0, kb, stage));
-        if constexpr (Blocks == 2) {
-          const uint64_t rows = uint64_t(tCrA(0, 0, kb, stage)) + uint64_t(int64_t(kt % 2 - wg) * 512);
-          swapped_fma<N>(weights + wg * kFirstBlock, rows, sacc[0], scale, std::make_index_sequence<N / 2>{});
-          swapped_fma<N>(weights + wg * kFirstBlock + kSecondBlock, rows, sacc[1], scale,
-                         std::make_index_sequence<N / 2>{});
-        } else {
-          const uint64_t rows = uint64_t(tCrA(0, 0, kb, stage));
-          [&]<int... J>(std::integer_sequence<int, J...>) {
-            (swapped_fma<N>(weights + J * 512, rows, sacc[J], scale, std::make_index_sequence<N / 2>{}), ...);
-          }(std::make_integer_sequence<int, Blocks>{});
-        }
-        scale = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      fence_swapped(sacc);
-      if (prev_stage >= 0) release(prev_stage, 1);
-      prev_stage = stage;
-      pos.step(1);
-    }
-    warpgroup_wait<0>();
-    fence_swapped(sacc);
-    if (prev_stage >= 0) release(prev_stage, 1);
-    auto zero_rows_past_n = [&](int box) {
-      for (int idx = wtid; idx < (64 - N) * 8; idx += 128) {
-        st_shared_zero16(slots + box * kBoxBytes + (N + idx / 8) * 128 + (idx % 8) * 16);
-      }
-    };
-    // The thread's coordinates made opaque here, as in store_round: else their addresses are hoisted out of the
-    // tile loop and held through the mainloops (ptxas spilled).
-    int row_at = frag_col;
-    int col_at = frag_row;
-    asm volatile("" : "+r"(row_at), "+r"(col_at));
-    auto put = [&](int box, int i, float v) {
-      st_shared_b16(slots + box * kBoxBytes + swizzled(row_at + 8 * (i >> 2) + (i & 1), col_at + 8 * ((i >> 1) & 1)),
-                    __float2bfloat16_rn(v));
-    };
-    // Boxes 0 and 1 from blocks j0 and j1 (value i of block j is sacc[j][i], scaled by `scale_of`),
-    // stored by TMA to `map` at columns c0 and c1; the next round waits for TMA to have read them.
-    auto store_pair = [&](int j0, int j1, auto scale_of, const CUtensorMap* map, int32_t c0, int32_t c1, bool last) {
-      CUTE_UNROLL
-      for (int i = 0; i < N / 2; ++i) {
-        const float w = scale_of(i);
-        put(0, i, sacc[j0][i] * w);
-        if (j1 >= 0) put(1, i, sacc[j1][i] * w);
-      }
-      staging_release(wg);
-      if (wtid == 0) {
-        tma_store(map, slots, c0, row0);
-        if (j1 >= 0) tma_store(map, slots + kBoxBytes, c1, row0);
-        store_commit();
-      }
-      if (!last) staging_acquire(wg, wtid);  // the boxes' rows past N stay zeros
-    };
-    staging_acquire(wg, wtid);
-    zero_rows_past_n(0);
-    zero_rows_past_n(1);
-    if constexpr (E == GemmEpilogue::kStore) {
-      // FC2: block j is output columns [64 j, +64) of the warpgroup's part, each row scaled by its routing weight.
-      auto weight = [&](int i) {
-        return args.row_weight != nullptr ? __ldg(args.row_weight + row0 + row_at + 8 * (i >> 2) + (i & 1)) : 1.0f;
-      };
-      const int32_t col = tile.n_tile * kGemmTileN + (Blocks == 2 ? 128 * wg : 0);
-      CUTE_UNROLL
-      for (int r = 0; r < Blocks / 2; ++r) {
-        store_pair(2 * r, 2 * r + 1, weight, &p.tma_out, col + 128 * r, col + 128 * r + 64, r + 1 == Blocks / 2);
-      }
-    } else {
-      // FC1: block q < Blocks / 2 is the gate rows of activation columns [64 q, +64) of the warpgroup's part, block
-      // q + Blocks / 2 the up rows of the same columns.
-      constexpr int Q = Blocks / 2;
-      const int32_t col = tile.n_tile * 128 + (Blocks == 2 ? 64 * wg : 0);
-      auto one = [](int) { return 1.0f; };
-      if (args.out_h != nullptr) {
-        if constexpr (Q == 1) {
-          store_pair(0, 1, one, &p.tma_out2, col, int32_t(n) + col, false);
-        } else {
-          store_pair(0, 1, one, &p.tma_out2, col, col + 64, false);
-          store_pair(2, 3, one, &p.tma_out2, int32_t(n) + col, int32_t(n) + col + 64, false);
-        }
-      }
-      CUTE_UNROLL
-      for (int i = 0; i < N / 2; ++i) {
-        CUTE_UNROLL
-        for (int q = 0; q < Q; ++q) {
-          const float g = __bfloat162float(__float2bfloat16_rn(sacc[q][i]));
-          const float u = __bfloat162float(__float2bfloat16_rn(sacc[q + Q][i]));
-          put(q, i, silu(g) * u);
-        }
-      }
-      staging_release(wg);
-      if (wtid == 0) {
-        tma_store(&p.tma_out, slots, col, row0);
-        if (Q == 2) tma_store(&p.tma_out, slots + kBoxBytes, col + 64, row0);
-        store_commit();
-      }
-    }
-  };
   for (int64_t t = first_tile();; t = next_tile(t)) {
     if (claimed) t = take_tile(taken++);
     if (t >= walker.total) break;
@@ -946,35 +776,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       load_quarter(0);
     };
     if (kLoadsQuarters && !routed) prefetch_first_quarter();
-    if constexpr (kSwapsTails) {
-      // The accumulator's values from the previous tile are dead here (the wgmma asm reads them, as far as the
-      // compiler knows, even when told to zero them): declared undefined, their registers hold the swapped tail's
-      // accumulators. (Aliased into acc instead, the second accumulator shape made ptxas serialise every wgmma, C7511;
-      // beside a live acc they spilled.)
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc); ++i) asm volatile("" : "=f"(acc(i)));
-      // Swapped only up to 32 routed rows: at N = 64 no product is skipped, and the four m64n64 wgmma per k16 read
-      // 1.6x the shared-memory operand bytes of the split tile's one m64n256.
-      // A split half tile, or warpgroup 1's rows of a full tile, holding an expert's last rows.
-      if (routed && p.swap_tails && (split || (wg == 1 && tile.rows == kGemmTileM))) {
-        const int32_t valid = args.expert_rows[tile.expert] - (row0 - args.expert_offsets[tile.expert]);
-        if (valid <= 32) {
-          if (split) {
-            if (valid <= 16) {
-              swapped_tail(Int<16>{}, Int<2>{}, tile, row0);
-            } else {
-              swapped_tail(Int<32>{}, Int<2>{}, tile, row0);
-            }
-          } else if (valid <= 16) {
-            swapped_tail(Int<16>{}, Int<4>{}, tile, row0);
-          } else {
-            swapped_tail(Int<32>{}, Int<4>{}, tile, row0);
-          }
-          ring.advance(tile.k_tiles);
-          continue;
-        }
-      }
-    }
     if (tile.k_tiles == 0) clear(acc);
     const int32_t kt_first = split ? wg : 0;
     const int32_t kt_step = split ? 2 : 1;

@@ -100,13 +100,13 @@ def _copy_routed_rows_fake(rows, expert_offsets):
 
 
 @torch.library.register_fake("primemoe::expert_gemm")
-def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True, expert_rows=None):
+def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True):
     return rows.new_empty(rows.shape[0], w.shape[2] if w_kn else w.shape[1])
 
 
 @torch.library.register_fake("primemoe::fc1_swiglu")
 def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, per_epoch=1, rank=0,
-                     zero_unrouted=True, expert_rows=None):
+                     zero_unrouted=True):
     inter = w1.shape[1] // 2
     return rows.new_empty(rows.shape[0], inter), rows.new_empty(rows.shape[0] if keep_fc1 else 0, 2 * inter)
 
@@ -192,26 +192,23 @@ def row_weights(topk_weights, row_to_slot):
     return torch.where(row_to_slot >= 0, w, 0.0)
 
 
-def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, zero_unrouted=True, counts=None):
+def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, zero_unrouted=True):
     """FC1 + SwiGLU per expert over the expert-major rows: ``(a, h or an empty [0, 2I])``.
-    ``counts`` (engine only, optional): the layout's routed rows per expert, with which the engine may skip
-    padding rows (``PRIMEMOE_GEMM_SWAP_TAILS``).
     ``rows_ready`` (engine only): ``(counters, epoch, per_epoch, rank)``: FC1's producer waits for
     ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows.
     ``zero_unrouted=False`` (here and below): rows past ``offsets[-1]`` of the outputs are left
     undefined instead of zeroed, for callers that read only the routed rows."""
     if engine:
-        return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, *(rows_ready or ()), zero_unrouted=zero_unrouted,
-                              expert_rows=counts)
+        return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, *(rows_ready or ()), zero_unrouted=zero_unrouted)
     h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets[1:])
     return swiglu(h), (h if keep_fc1 else h.new_empty(0, h.shape[1]))
 
 
-def expert_fc2(a, w2, offsets, row_weight, engine, zero_unrouted=True, counts=None):
+def expert_fc2(a, w2, offsets, row_weight, engine, zero_unrouted=True):
     """``row_weight * FC2(a)`` per expert: the routing weight is applied here (in the engine's
-    epilogue), so the combine only sums a token's rows. ``counts``: as in ``expert_fc1``."""
+    epilogue), so the combine only sums a token's rows."""
     if engine:
-        return lib.expert_gemm(a, w2, offsets, False, row_weight, zero_unrouted=zero_unrouted, expert_rows=counts)
+        return lib.expert_gemm(a, w2, offsets, False, row_weight, zero_unrouted=zero_unrouted)
     o = torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets[1:])
     return (o.float() * row_weight.unsqueeze(1)).to(o.dtype)
 
@@ -254,13 +251,12 @@ def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine, ro
     T, H = x.shape
     K = topk_idx.shape[1]
     E, two_i, _ = w1.shape
-    counts, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, row_align)
+    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, row_align)
     if T * K == 0:
         return x.new_zeros(T, H), x.new_zeros(row_to_slot.numel() if keep_fc1 else 0, two_i)
     # Not fc1_swiglu_gather: on the H200 the separate gather + TMA loads are faster (benchmarks/RESULTS.md).
-    a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None, slot_to_row), w1, offsets, keep_fc1, engine,
-                      counts=counts)
-    o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine, counts=counts)
+    a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None, slot_to_row), w1, offsets, keep_fc1, engine)
+    o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine)
     return lib.combine_reduce(o, slot_to_row, None), h
 
 

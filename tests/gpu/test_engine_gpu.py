@@ -64,70 +64,6 @@ def test_forward_ops_match_cpu(counts, shape):
     assert_rows_close("fc2 weighted", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu.row_weight))
 
 
-# Last 64-row blocks with 1..64 routed rows, as half tiles (1..64, 129, 300) and as full tiles' second halves (65..128,
-# 200, 224): swapped at N = 16 and 32, each edge, multiplied as before above; empty experts between; 12 rounds,
-# so CTAs run several tiles of each kind.
-SWAP_COUNTS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 80, 81, 96, 97, 0, 127, 128, 129, 200, 224, 300] * 12
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("keep_fc1", [True, False])
-def test_swapped_tails_match_cpu(monkeypatch, shape, keep_fc1):
-    """FC1 and FC2 with experts' last 64-row blocks of up to 32 routed rows multiplying only those
-    (PRIMEMOE_GEMM_SWAP_TAILS=1: the weights as the wgmma's M, the rows as its N of 16 or 32; more rows as before):
-    against the CPU kernels (whose padding rows are zeros: compared over every row), same bits twice."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "1")
-    hidden, inter = SHAPES[shape]
-    gpu = engine_operands(SWAP_COUNTS, hidden, inter, seed=11, device="cuda")
-    cpu = engine_operands(SWAP_COUNTS, hidden, inter, seed=11)
-    poison_caching_allocator()
-    a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, keep_fc1, expert_rows=gpu.counts)
-    a_ref, h_ref = ops.fc1_swiglu(cpu.xs, cpu.w1, cpu.offsets, True)
-    assert_rows_close("swapped fc1 a", a, a_ref)
-    if keep_fc1:
-        assert_rows_close("swapped fc1 h", h, h_ref)
-    again = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, keep_fc1, expert_rows=gpu.counts)
-    assert torch.equal(again[0], a) and torch.equal(again[1], h)
-    for weight in (gpu.row_weight, None):
-        o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, weight, expert_rows=gpu.counts)
-        cpu_weight = None if weight is None else cpu.row_weight
-        assert_rows_close("swapped fc2", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu_weight))
-        assert torch.equal(ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, weight, expert_rows=gpu.counts), o)
-
-
-def test_swapped_tails_skip_the_padding_rows(monkeypatch):
-    """The probe that the swapped path ran: padding rows of the inputs made nonzero (the layout leaves zeros) reach
-    FC1's and FC2's outputs where padding rows are multiplied, but not past the swapped tails' N (experts of 16, 32
-    and 128 + 16 rows, whose last blocks are half tiles; of 64 + 16 and 64 + 32, full tiles' second halves), while
-    the routed rows are unchanged."""
-    counts = [16, 32, 144, 80, 96, 3, 300] * 30
-    gpu = engine_operands(counts, 256, 256, seed=12, device="cuda")
-    xs = gpu.xs.clone()
-    routed = torch.zeros(xs.shape[0], dtype=torch.bool, device="cuda")
-    for e, c in enumerate(counts):
-        routed[int(gpu.offsets[e]):int(gpu.offsets[e]) + c] = True
-    xs[~routed] = 1.0
-    probe = torch.zeros_like(routed)
-    for e, c in enumerate(counts):
-        if c in (16, 32, 144, 80, 96):
-            lo = int(gpu.offsets[e]) + c
-            probe[lo:int(gpu.offsets[e + 1])] = True
-    a = gpu.a.clone()
-    a[~routed] = 1.0
-    weight = torch.ones_like(gpu.row_weight)  # FC2's padding rows would be scaled by 0 in the layer
-    monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "0")
-    plain = ops.fc1_swiglu(xs, gpu.w1, gpu.offsets, True, expert_rows=gpu.counts)
-    plain_fc2 = ops.expert_gemm(a, gpu.w2, gpu.offsets, False, weight, expert_rows=gpu.counts)
-    assert plain[1][probe].abs().sum() > 0, "unswapped, the padding rows are multiplied"
-    assert plain_fc2[probe].abs().sum() > 0, "unswapped, FC2's padding rows are multiplied"
-    monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "1")
-    swapped = ops.fc1_swiglu(xs, gpu.w1, gpu.offsets, True, expert_rows=gpu.counts)
-    swapped_fc2 = ops.expert_gemm(a, gpu.w2, gpu.offsets, False, weight, expert_rows=gpu.counts)
-    assert not swapped[1][probe].any() and not swapped[0][probe].any() and not swapped_fc2[probe].any()
-    for got, want in zip([*swapped, swapped_fc2], [*plain, plain_fc2]):
-        assert_rows_close("swapped vs unswapped, routed rows", got[routed], want[routed])
-
-
 @pytest.mark.parametrize("k", [64, 192])
 def test_half_tiles_with_odd_k_slices(k):
     """An expert's last 64 rows (a half tile) split their k-slices between the two consumer warpgroups:
@@ -242,10 +178,6 @@ def test_gemm_overrides_are_checked(monkeypatch):
     monkeypatch.delenv("PRIMEMOE_GEMM_TILE_ORDER")
     monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", "yes")
     with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_PAIRS: expected 0 or 1"):
-        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-    monkeypatch.delenv("PRIMEMOE_GEMM_PAIRS")
-    monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "on")
-    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_SWAP_TAILS: expected 0 or 1"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
 
 

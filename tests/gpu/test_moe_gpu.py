@@ -167,13 +167,6 @@ def test_claimed_tile_order_matches_reference(routing):
     check_against_reference(primemoe.moe, make_problem(700, *CLAIMING, routing=routing, seed=30, device="cuda"))
 
 
-@pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
-def test_swapped_tails_match_reference(monkeypatch, routing):
-    """The layer with FC1's split half tiles multiplying only their routed rows (PRIMEMOE_GEMM_SWAP_TAILS=1)."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_SWAP_TAILS", "1")
-    check_against_reference(primemoe.moe, make_problem(1500, *CLAIMING, routing=routing, seed=32, device="cuda"))
-
-
 def test_cuda_graph_replay_matches_eager_with_claimed_tiles():
     """Each replay must zero the claim counter again, or its GEMMs would skip tiles. 4096 tokens: FC1's
     ~800 tiles give each CTA several claims, so both slots of the index handoff come round again."""
