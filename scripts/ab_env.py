@@ -4,7 +4,7 @@ between calls would time a faster clock). Variants alternate phase by phase with
 rounds, so drift in the power-capped clock falls on all of them alike.
 Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
            --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
-Prints and writes, per shape, tokens, stage (fc1, fc2, forward, backward) and variant, the median ms of each round."""
+Prints and writes, per shape, tokens, stage (gather, fc1, fc2, forward, backward) and variant, the median ms of each round."""
 import argparse
 import json
 import os
@@ -48,7 +48,8 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["qwen3-235b-a22b:8192", "qwen3-30b-a3b:16384"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--secs", type=float, default=1.0)
-    p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"])
+    p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
+                   help="of gather, fc1, fc2, forward, backward")
     p.add_argument("--out")
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}
@@ -64,6 +65,7 @@ def main():
         rw = ops.row_weights(w, r2s)
         _, fc1_out = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
         stages = {
+            "gather": lambda: lib.gather_rows(x, r2s, K, None, s2r),
             "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True, expert_rows=cnt),
             "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw, expert_rows=cnt),
             "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
