@@ -88,10 +88,19 @@ void check_cuda(cudaError_t err, const char* what) {
   PRIMEMOE_CHECK(err == cudaSuccess, "primemoe: ", what, " failed: ", cudaGetErrorString(err));
 }
 
+// The kernels move rows in 16-byte vectors and TMA boxes: a view starting at an element offset that is not a
+// multiple of 8 would fault (misaligned address) instead.
+void check_aligned(const at::Tensor& t, const char* name) {
+  const auto misaligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16;
+  PRIMEMOE_CHECK(!t.is_cuda() || misaligned == 0, name, ": expected 16-byte aligned data on CUDA, got a view ",
+                 misaligned, " bytes past a boundary (pass a copy)");
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   PRIMEMOE_CHECK(t.dim() == 2, name, ": expected a 2-D tensor [rows, H], got ", t.sizes());
   PRIMEMOE_CHECK(t.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", t.scalar_type());
   PRIMEMOE_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+  check_aligned(t, name);
 }
 
 void check_index(const at::Tensor& t, const char* name, int64_t dims) {
@@ -604,6 +613,7 @@ void check_weights3(const at::Tensor& w, const char* name) {
   PRIMEMOE_CHECK(w.dim() == 3, name, ": expected a 3-D tensor [E, out, in], got ", w.sizes());
   PRIMEMOE_CHECK(w.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", w.scalar_type());
   PRIMEMOE_CHECK(w.is_contiguous(), name, ": expected a contiguous tensor");
+  check_aligned(w, name);
 }
 
 GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at::Tensor& a, const at::Tensor& b,

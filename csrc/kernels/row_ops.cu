@@ -1,7 +1,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "row_ops.cuh"
 
@@ -69,39 +68,6 @@ __device__ __forceinline__ uint4 scaled(const uint4& v, float s) {
   return pack(f);
 }
 
-// The rows the token pass did not write: those without a slot (zeros), and any that name a slot another
-// row holds (a copy of their own). Lane l checks row r0 + l, so a warp pays one latency per 32 rows.
-template <bool kScaled>
-__device__ __forceinline__ void fill_unslotted_rows(const GatherRowsArgs& a, int64_t warp, int64_t warps) {
-  const int vecs = a.hidden / kVec, K = a.top_k, lane = threadIdx.x % 32;
-  const int32_t* slot_to_row = a.slot_to_row;
-  __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(a.dst);
-  const int64_t slots = a.num_tokens * K;
-  for (int64_t r0 = warp * 32; r0 < a.num_rows; r0 += warps * 32) {
-    const int64_t r = r0 + lane;
-    int32_t slot = -1;
-    bool left = false;
-    if (r < a.num_rows) {
-      slot = a.row_to_slot[r];
-      if (slot >= slots) slot = -1;
-      left = slot < 0 || slot_to_row[slot] != r;
-    }
-    for (unsigned pending = __ballot_sync(0xffffffffu, left); pending != 0; pending &= pending - 1) {
-      const int i = __ffs(pending) - 1;
-      const int32_t s = __shfl_sync(0xffffffffu, slot, i);
-      uint4* out = reinterpret_cast<uint4*>(dst + (r0 + i) * a.hidden);
-      if (s < 0) {
-        for (int v = lane; v < vecs; v += 32) out[v] = make_uint4(0, 0, 0, 0);
-        continue;
-      }
-      const uint4* src =
-          reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.src) + int64_t(s / K) * a.hidden);
-      const float scale = load_scale(a.scale, a.scale_type, s);
-      for (int v = lane; v < vecs; v += 32) out[v] = scaled<kScaled>(__ldg(src + v), scale);
-    }
-  }
-}
-
 // At most 64 registers unscaled: 4 blocks per SM, as measured (it came to 69 without the bound).
 template <bool kScaled>
 __global__ void __launch_bounds__(kWarpThreads, kScaled ? 2 : 4) gather_rows_kernel(GatherRowsArgs a) {
@@ -141,76 +107,32 @@ __global__ void __launch_bounds__(kWarpThreads, kScaled ? 2 : 4) gather_rows_ker
       }
     }
   }
-  fill_unslotted_rows<kScaled>(a, global_warp(), grid_warps());
-}
-
-// The unscaled gather by the copy engine: one warp per CTA streams its tokens' x rows through a ring of
-// shared-memory stages with TMA bulk copies, lane k storing the token's k-th destination row. The warps' own
-// 16-byte copies moved ~2.6 TB/s (reads and writes) at Qwen3-235B T = 8192; a copy runs at ~4.3.
-constexpr int kBulkMaxStages = 8;
-constexpr int kBulkRingBytes = 32 * 1024;  // per CTA, as stages of one row
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void bulk_load_row(void* smem, const void* src, uint32_t bytes, uint64_t* full) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(full)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(smem)),
-               "l"(src), "r"(bytes), "r"(smem_u32(full))
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_store_row(void* dst, const void* smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(smem)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void wait_full(uint64_t* full, uint32_t parity) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n\t"
-      "wait_full_again:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra wait_full_again;\n\t}" ::"r"(smem_u32(full)),
-      "r"(parity)
-      : "memory");
-}
-
-__global__ void __launch_bounds__(32) gather_rows_bulk_kernel(GatherRowsArgs a, int stages, int64_t tokens_per_block) {
-  extern __shared__ __align__(128) uint8_t ring[];
-  __shared__ __align__(8) uint64_t full[kBulkMaxStages];
-  const int lane = threadIdx.x, K = a.top_k;
-  const uint32_t row_bytes = uint32_t(a.hidden) * sizeof(__nv_bfloat16);
-  const int64_t t0 = int64_t(blockIdx.x) * tokens_per_block;
-  const int64_t n = max(int64_t(0), min(a.num_tokens - t0, tokens_per_block));
-  const char* src = static_cast<const char*>(a.src) + t0 * row_bytes;
-  char* dst = static_cast<char*>(a.dst);
-  if (lane == 0) {
-    for (int s = 0; s < stages; ++s)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[s])) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    for (int64_t i = 0; i < min(int64_t(stages), n); ++i) bulk_load_row(ring + i * row_bytes, src + i * row_bytes, row_bytes, &full[i]);
-  }
-  __syncwarp();
-  const int32_t* slot_rows = a.slot_to_row + t0 * K;
-  int32_t row = n > 0 && lane < K ? slot_rows[lane] : -1;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t next = i + 1 < n && lane < K ? slot_rows[(i + 1) * K + lane] : -1;
-    const int s = static_cast<int>(i % stages);
-    wait_full(&full[s], static_cast<uint32_t>(i / stages) & 1);
-    if (row >= 0) bulk_store_row(dst + int64_t(row) * row_bytes, ring + s * row_bytes, row_bytes);
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    // The previous token's stores have read its stage once every lane's next-to-last group has.
-    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-    __syncwarp();
-    const int64_t refill = i - 1 + stages;
-    if (lane == 0 && i >= 1 && refill < n) {
-      const int r = static_cast<int>(refill % stages);
-      bulk_load_row(ring + r * row_bytes, src + refill * row_bytes, row_bytes, &full[r]);
+  // The rows the token pass did not write: those without a slot (zeros), and any that name a slot another
+  // row holds (a copy of their own). Lane l checks row r0 + l, so a warp pays one latency per 32 rows.
+  const int64_t slots = a.num_tokens * K;
+  for (int64_t r0 = global_warp() * 32; r0 < a.num_rows; r0 += grid_warps() * 32) {
+    const int64_t r = r0 + lane;
+    int32_t slot = -1;
+    bool left = false;
+    if (r < a.num_rows) {
+      slot = a.row_to_slot[r];
+      if (slot >= slots) slot = -1;
+      left = slot < 0 || slot_to_row[slot] != r;
     }
-    row = next;
+    for (unsigned pending = __ballot_sync(0xffffffffu, left); pending != 0; pending &= pending - 1) {
+      const int i = __ffs(pending) - 1;
+      const int32_t s = __shfl_sync(0xffffffffu, slot, i);
+      uint4* out = reinterpret_cast<uint4*>(dst + (r0 + i) * a.hidden);
+      if (s < 0) {
+        for (int v = lane; v < vecs; v += 32) out[v] = make_uint4(0, 0, 0, 0);
+        continue;
+      }
+      const uint4* src =
+          reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.src) + int64_t(s / K) * a.hidden);
+      const float scale = load_scale(a.scale, a.scale_type, s);
+      for (int v = lane; v < vecs; v += 32) out[v] = scaled<kScaled>(__ldg(src + v), scale);
+    }
   }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-  fill_unslotted_rows<false>(a, blockIdx.x, gridDim.x);
 }
 
 // Each lane sums its 16-byte vectors over the slots in k order (fp32): the same sum whatever the grid.
@@ -313,41 +235,9 @@ cudaError_t launch_invert_row_to_slot(const int32_t* row_to_slot, int64_t num_ro
   return cudaGetLastError();
 }
 
-namespace {
-
-// The ring's stages for the bulk gather, or 0 where it does not apply: scaled rows, more than 32 slots per
-// token, rows too long for two stages, or rows not 16-byte aligned.
-int bulk_gather_stages(const GatherRowsArgs& a) {
-  const int64_t row_bytes = int64_t(a.hidden) * 2;
-  const bool aligned = (reinterpret_cast<uintptr_t>(a.src) | reinterpret_cast<uintptr_t>(a.dst)) % 16 == 0;
-  if (a.scale_type != ScaleType::kNone || a.top_k > 32 || !aligned || 2 * row_bytes > 200 * 1024) return 0;
-  return static_cast<int>(std::clamp<int64_t>(kBulkRingBytes / row_bytes, 2, kBulkMaxStages));
-}
-
-cudaError_t launch_gather_rows_bulk(const GatherRowsArgs& a, int stages, cudaStream_t stream) {
-  const size_t smem = size_t(stages) * size_t(a.hidden) * 2;
-  cudaError_t err = cudaFuncSetAttribute(gather_rows_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  int device = 0, sms = 0, per_sm = 0;
-  if (err == cudaSuccess) err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gather_rows_bulk_kernel, 32, smem);
-  if (err != cudaSuccess) return err;
-  const int64_t work = std::max(a.num_tokens, (a.num_rows + 31) / 32);
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(work, int64_t(sms) * std::max(per_sm, 1))));
-  const int64_t tokens_per_block = (a.num_tokens + grid - 1) / grid;
-  gather_rows_bulk_kernel<<<grid, 32, smem, stream>>>(a, stages, tokens_per_block);
-  return cudaGetLastError();
-}
-
-}  // namespace
-
 cudaError_t launch_gather_rows(const GatherRowsArgs& a, cudaStream_t stream) {
   if (a.hidden % kVec) return cudaErrorInvalidValue;
   if (a.num_rows == 0) return cudaSuccess;
-  const char* bulk = std::getenv("PRIMEMOE_GATHER_BULK");
-  const int stages = bulk != nullptr && bulk[0] == '0' ? 0 : bulk_gather_stages(a);
-  if (stages > 0) return launch_gather_rows_bulk(a, stages, stream);
   const int64_t warps = std::max(a.num_tokens, (a.num_rows + 31) / 32);
   const int grid = grid_for((warps + kWarps - 1) / kWarps, kWarpThreads);
   if (a.scale_type == ScaleType::kNone) gather_rows_kernel<false><<<grid, kWarpThreads, 0, stream>>>(a);

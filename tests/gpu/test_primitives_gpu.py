@@ -145,32 +145,35 @@ def test_gather_rows_any_row_to_slot(scale_dtype):
     assert torch.equal(got[0], got[2]) and not got[3].any() and not got[4].any()
 
 
-# tokens, top_k, hidden, src's offset in elements. The unscaled gather copies rows with TMA bulk copies through a
-# ring of shared-memory stages (32 KiB per one-warp block); more than 32 slots per token, rows too long for two
-# stages and rows not 16-byte aligned take the warps' own copies, as scaled rows do.
-GATHER_PATHS = {
-    "bulk_ring_wraps": (8192, 8, 4096, 0),  # 4 stages of 8 KiB, ~9 tokens per block
-    "bulk_many_stages": (5000, 8, 1024, 0),  # 8 stages of 2 KiB
-    "bulk_two_stages": (700, 3, 51200, 0),  # 100 KiB rows: the longest that fit
-    "warps_top_k_33": (300, 33, 256, 0),
-    "warps_long_rows": (40, 4, 51208, 0),
-    "warps_misaligned": (300, 8, 256, 1),
-}
+# tokens, top_k, hidden: more than 32 slots per token (the warp takes them 32 at a time), rows of 6401 vectors,
+# Qwen3-235B-A22B's rows at T = 8192.
+GATHER_EDGES = {"top_k_33": (300, 33, 256), "long_rows": (40, 4, 51208), "many_tokens": (8192, 8, 4096)}
 
 
-@pytest.mark.parametrize("case", GATHER_PATHS)
-def test_gather_rows_copy_paths(case):
-    tokens, top_k, hidden, offset = GATHER_PATHS[case]
+@pytest.mark.parametrize("case", GATHER_EDGES)
+def test_gather_rows_edges_on_poisoned_memory(case):
+    tokens, top_k, hidden = GATHER_EDGES[case]
     x, _, slot_to_row, row_to_slot = rows_problem(tokens, top_k, hidden, seed=6)
     want = ops.gather_rows(x, row_to_slot, top_k, None)
-    storage = torch.empty(tokens * hidden + offset, dtype=torch.bfloat16, device="cuda")
-    src = storage[offset:].view(tokens, hidden)
-    src.copy_(x)
-    row_to_slot, slot_to_row = row_to_slot.cuda(), slot_to_row.cuda()
+    x, row_to_slot, slot_to_row = x.cuda(), row_to_slot.cuda(), slot_to_row.cuda()
     poison_caching_allocator()
-    got = ops.gather_rows(src, row_to_slot, top_k, None, slot_to_row)
-    assert torch.equal(got.cpu(), want)
-    assert torch.equal(ops.gather_rows(src, row_to_slot, top_k, None).cpu(), want)
+    assert torch.equal(ops.gather_rows(x, row_to_slot, top_k, None, slot_to_row).cpu(), want)
+
+
+def test_misaligned_rows_are_refused():
+    """A contiguous view at an element offset that is not a multiple of 8 would fault in the 16-byte row copies
+    and TMA loads: the ops and the layer refuse it by name."""
+    p = make_problem(64, 256, 128, 8, 2, seed=8, device="cuda")
+    storage = torch.empty(p.x.numel() + 1, dtype=p.x.dtype, device="cuda")
+    shifted = storage[1:].view(p.x.shape)
+    shifted.copy_(p.x)
+    _, _, slot_to_row, row_to_slot = ops.dispatch_layout(p.topk_idx, 8, 0, 8, 128)
+    with pytest.raises(RuntimeError, match="src: expected 16-byte aligned data"):
+        ops.gather_rows(shifted, row_to_slot, 2, None, slot_to_row)
+    with pytest.raises(ValueError, match="x: expected 16-byte aligned data"):
+        primemoe.moe(shifted, p.topk_idx, p.topk_weights, p.w1, p.w2)
+    assert torch.equal(ops.gather_rows(shifted.clone(), row_to_slot, 2, None, slot_to_row),
+                       ops.gather_rows(p.x, row_to_slot, 2, None, slot_to_row))
 
 
 @pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
