@@ -35,7 +35,8 @@ def moe(x, topk_idx, topk_weights, w1, w2, *, buffer=None, precision="bf16", kee
     ``x``, ``topk_weights``, ``w1`` and ``w2``.
 
     x [T, H] bf16; topk_idx [T, K] int64/int32 (-1 = skip); topk_weights [T, K] fp32/bf16;
-    w1 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Returns y [T, H].
+    w1 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Returns y [T, H]. All contiguous; on CUDA
+    x, w1 and w2 16-byte aligned.
     ``keep_fc1``: keep the FC1 pre-activations for backward (memory) instead of
     recomputing FC1 there (compute). ``buffer=None``: all experts on this GPU. With a
     ``primemoe.Buffer``: expert parallelism over its group; w1, w2 hold this rank's
