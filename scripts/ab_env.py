@@ -57,17 +57,17 @@ def main():
     for spec in a.shapes:
         shape, tokens = spec.split(":")
         T = int(tokens)
-        H, I, E, K = SHAPES[shape]
+        _, _, E, K = SHAPES[shape]
         x, idx, w, w1, w2, dy = layer_inputs(shape, T)
-        cnt, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
+        _, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
         xs = lib.gather_rows(x, r2s, K, None, s2r)
         act = lib.fc1_swiglu(xs, w1, off, True)[0]
         rw = ops.row_weights(w, r2s)
         _, fc1_out = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
         stages = {
             "gather": lambda: lib.gather_rows(x, r2s, K, None, s2r),
-            "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True, expert_rows=cnt),
-            "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw, expert_rows=cnt),
+            "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),
+            "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
             "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
             "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
         }
