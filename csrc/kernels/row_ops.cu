@@ -196,6 +196,17 @@ __global__ void __launch_bounds__(kRowThreads) slot_dot_kernel(SlotDotArgs a) {
   }
 }
 
+__global__ void __launch_bounds__(kRowThreads) gather_scalars_kernel(GatherScalarsArgs a) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < a.count; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = a.index[i];
+    float acc = 0.f;
+    if (row >= 0 && row < a.num_values) {
+      for (int32_t j = 0; j < a.width; ++j) acc += load_scale(a.values, a.value_type, row * a.width + j);
+    }
+    a.out[i] = acc;
+  }
+}
+
 constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread
 
@@ -260,6 +271,13 @@ cudaError_t launch_slot_dot(const SlotDotArgs& a, cudaStream_t stream) {
 }
 
 // The grid is sized for every row (the bound is not known on the host); the kernel stops at the bound.
+cudaError_t launch_gather_scalars(const GatherScalarsArgs& a, cudaStream_t stream) {
+  if (a.value_type == ScaleType::kNone) return cudaErrorInvalidValue;
+  if (a.count == 0) return cudaSuccess;
+  gather_scalars_kernel<<<grid_for((a.count + kRowThreads - 1) / kRowThreads), kRowThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& a, cudaStream_t stream) {
   if (a.row_bytes % 16 || a.num_experts < 0) return cudaErrorInvalidValue;
   const int64_t max_vecs = a.num_rows * (a.row_bytes / 16);

@@ -48,6 +48,20 @@ struct SlotDotArgs {
   int32_t width;
 };
 
+// out[i] = the fp32 sum, in column order, of row index[i] of values [num_values, width], or 0 where index[i] is
+// outside [0, num_values) (-1: no entry). With width 1 the routing weight of each expert-major row; with the
+// FC2 dgrad's per-tile partial dots, a slot's routing-weight gradient. One kernel where the torch composition
+// (clamp, cast, index, compare, where, and a sum) took five or six.
+struct GatherScalarsArgs {
+  const void* values;
+  ScaleType value_type;  // kFloat32 or kBFloat16
+  const int32_t* index;
+  float* out;
+  int64_t num_values;
+  int64_t count;  // entries of index and out
+  int32_t width;
+};
+
 // dst[r] = src[r] for the routed rows r < expert_offsets[num_experts] (the bound is read on the
 // device, clamped to [0, num_rows]); rows past it are not written. Rows are opaque bytes.
 struct CopyRoutedRowsArgs {
@@ -65,6 +79,7 @@ cudaError_t launch_invert_row_to_slot(const int32_t* row_to_slot, int64_t num_ro
 cudaError_t launch_gather_rows(const GatherRowsArgs& args, cudaStream_t stream);
 cudaError_t launch_combine_reduce(const CombineReduceArgs& args, cudaStream_t stream);
 cudaError_t launch_slot_dot(const SlotDotArgs& args, cudaStream_t stream);
+cudaError_t launch_gather_scalars(const GatherScalarsArgs& args, cudaStream_t stream);
 cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& args, cudaStream_t stream);
 
 }  // namespace primemoe

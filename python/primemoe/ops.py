@@ -94,6 +94,11 @@ def _slot_dot_fake(a, b, slot_to_row):
     return a.new_empty(slot_to_row.shape, dtype=torch.float32)
 
 
+@torch.library.register_fake("primemoe::gather_scalars")
+def _gather_scalars_fake(values, index):
+    return values.new_empty(index.shape, dtype=torch.float32)
+
+
 @torch.library.register_fake("primemoe::copy_routed_rows")
 def _copy_routed_rows_fake(rows, expert_offsets):
     return rows.new_empty(rows.shape)
@@ -188,8 +193,7 @@ def use_engine(x: torch.Tensor, w1: torch.Tensor) -> bool:
 
 def row_weights(topk_weights, row_to_slot):
     """fp32 routing weight of each expert-major row, 0 on padding rows."""
-    w = topk_weights.reshape(-1).float()[row_to_slot.clamp(min=0).long()]
-    return torch.where(row_to_slot >= 0, w, 0.0)
+    return lib.gather_scalars(topk_weights.reshape(-1, 1), row_to_slot)
 
 
 def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, zero_unrouted=True):
@@ -274,7 +278,7 @@ def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine
     dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None, slot_to_row)
     row_weight = row_weights(topk_weights, row_to_slot)
     dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine)
-    d_topk_weights = torch.where(slot_to_row >= 0, dtw_rows[slot_to_row.clamp(min=0).long()], 0.0)
+    d_topk_weights = lib.gather_scalars(dtw_rows.unsqueeze(1), slot_to_row)
     dx = lib.combine_reduce(dxs, slot_to_row, None)
     return dx, d_topk_weights, dw1, dw2
 
