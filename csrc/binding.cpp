@@ -676,8 +676,6 @@ GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at
   g.expert_offsets = offsets.data_ptr<int32_t>();
   g.out = out.data_ptr();
   g.num_sms = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
-  // Diagnostic: the GEMMs' grid (CTAs), e.g. pairs on as many SMs as 2 x 2 clusters get.
-  if (const char* sms = std::getenv("PRIMEMOE_GEMM_SMS"); sms != nullptr && *sms != '\0') g.num_sms = std::atoi(sms);
   return g;
 }
 
