@@ -621,10 +621,6 @@ int64_t paired_gemm_launches_op(int64_t device) {
   return is_device_index(device) ? paired_gemm_launches(static_cast<int>(device)) : 0;
 }
 
-int64_t quad_gemm_launches_op(int64_t device) {
-  return is_device_index(device) ? quad_gemm_launches(static_cast<int>(device)) : 0;
-}
-
 std::vector<int64_t> take_error_op(int64_t device) {
   ErrorRecord rec{};
   if (!is_device_index(device) || !take_error(static_cast<int>(device), &rec)) return {};
@@ -690,15 +686,14 @@ TileOrder tile_order_from_env() {
   return o == "static" ? TileOrder::kStatic : TileOrder::kClaimed;
 }
 
-// PRIMEMOE_GEMM_PAIRS=1 / 0: paired row blocks wherever a variant has them (gemm_pairs_rows) / nowhere; 2x2: paired
-// columns too (2 x 2 clusters) where the column tiles are even in number; unset: the heuristics' choice
-// (gemm_pairs_pay). Read at every launch, as the tile order.
+// PRIMEMOE_GEMM_PAIRS=1 / 0: paired row blocks wherever a variant has them (gemm_pairs_rows) / nowhere; unset: the
+// heuristics' choice (gemm_pairs_pay). Read at every launch, as the tile order.
 PairRows pair_rows_from_env() {
   const char* pairs = std::getenv("PRIMEMOE_GEMM_PAIRS");
   if (pairs == nullptr || *pairs == '\0') return PairRows::kAuto;
   const std::string v(pairs);
-  PRIMEMOE_CHECK(v == "0" || v == "1" || v == "2x2", "PRIMEMOE_GEMM_PAIRS: expected 0, 1 or 2x2, got '", v, "'");
-  return v == "2x2" ? PairRows::kQuads : v == "1" ? PairRows::kOn : PairRows::kOff;
+  PRIMEMOE_CHECK(v == "0" || v == "1", "PRIMEMOE_GEMM_PAIRS: expected 0 or 1, got '", v, "'");
+  return v == "1" ? PairRows::kOn : PairRows::kOff;
 }
 
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
@@ -1032,7 +1027,6 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("expert_gemm_unsupported(int device, int hidden, int intermediate) -> str", &expert_gemm_unsupported_op);
   m.def("take_error(int device) -> int[]", &take_error_op);
   m.def("paired_gemm_launches(int device) -> int", &paired_gemm_launches_op);
-  m.def("quad_gemm_launches(int device) -> int", &quad_gemm_launches_op);
   m.def("describe_error(int[] record) -> str", &describe_error_op);
   m.def("nvshmem_unique_id() -> Tensor", &nvshmem_unique_id_op);
   m.def("nvshmem_init(Tensor unique_id, int rank, int world) -> ()", &nvshmem_init_op);

@@ -11,7 +11,7 @@ import primemoe
 
 OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine_reduce", "slot_dot", "gather_scalars", "take_error",
        "describe_error", "fc1_swiglu", "expert_gemm", "fc2_dgrad_swiglu", "expert_wgrad", "expert_gemm_unsupported",
-       "paired_gemm_launches", "quad_gemm_launches")
+       "paired_gemm_launches")
 SETUP_PY = Path(__file__).resolve().parents[1] / "setup.py"
 
 
@@ -44,8 +44,7 @@ def test_take_error_is_empty_on_a_fresh_device_index():
 
 def test_no_paired_gemm_launch_is_counted_without_one():
     # Nothing launched on device 7 in this process; indices outside the per-device counters read 0 too.
-    for op in (torch.ops.primemoe.paired_gemm_launches, torch.ops.primemoe.quad_gemm_launches):
-        assert [op(d) for d in (7, -1, 1 << 20, 1 << 32)] == [0, 0, 0, 0]
+    assert [torch.ops.primemoe.paired_gemm_launches(d) for d in (7, -1, 1 << 20, 1 << 32)] == [0, 0, 0, 0]
 
 
 def test_check_errors_is_quiet_without_errors():

@@ -53,7 +53,6 @@ uint64_t weight_rows(const GroupedGemmArgs& a) {
 }
 
 std::atomic<int64_t> paired_launches[kMaxDevices];
-std::atomic<int64_t> quad_launches[kMaxDevices];
 
 // major * 10 + minor, asked once per device (every GEMM launch checks it).
 int compute_capability(int device) {
@@ -107,14 +106,8 @@ int64_t paired_gemm_launches(int device) {
   return device >= 0 && device < kMaxDevices ? paired_launches[device].load(std::memory_order_relaxed) : 0;
 }
 
-int64_t quad_gemm_launches(int device) {
-  return device >= 0 && device < kMaxDevices ? quad_launches[device].load(std::memory_order_relaxed) : 0;
-}
-
-void count_paired_gemm_launch(int device, bool quads) {
-  if (device < 0 || device >= kMaxDevices) return;
-  paired_launches[device].fetch_add(1, std::memory_order_relaxed);
-  if (quads) quad_launches[device].fetch_add(1, std::memory_order_relaxed);
+void count_paired_gemm_launch(int device) {
+  if (device >= 0 && device < kMaxDevices) paired_launches[device].fetch_add(1, std::memory_order_relaxed);
 }
 
 bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
@@ -174,9 +167,7 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) &&
-                     (pairs == PairRows::kOn || pairs == PairRows::kQuads ||
-                      (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
-  config.pair_cols = config.pair_rows && pairs == PairRows::kQuads && (a.n / gemm_tile_n(a.epilogue)) % 2 == 0;
+                     (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
   return config;
 }
 
@@ -188,7 +179,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.split_half_tiles = config.split_half_tiles;
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
-  params.pair_cols = config.pair_cols;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;
@@ -197,9 +187,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
     // A gathered A operand is copied by the producer's threads, not by TMA.
     if (a.a_row_src == nullptr) {
       err = make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
-      if (err == cudaSuccess && (params.split_half_tiles || params.pair_cols)) {
-        err = make_map(&params.tma_a_half, a.a, a.k, rows, 1, 64);
-      }
+      if (err == cudaSuccess && params.split_half_tiles) err = make_map(&params.tma_a_half, a.a, a.k, rows, 1, 64);
     } else {
       err = cudaSuccess;
     }

@@ -105,9 +105,6 @@ struct GemmConfig {
   // kRows (gemm_pairs_rows): 2-CTA clusters take row blocks 2q and 2q + 1 of one column tile; where both are one
   // expert's, each CTA loads half of the weight tile and multicasts it to both. With claim_tiles, rank 0 claims pairs.
   bool pair_rows;
-  // With pair_rows, and an even number of column tiles: 2 x 2 clusters take row blocks 2q, 2q + 1 of column tiles 2c,
-  // 2c + 1; the two CTAs of a row block each load half of its A tile and multicast it to both.
-  bool pair_cols;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same
@@ -115,9 +112,8 @@ struct GemmConfig {
 enum class TileOrder { kAuto, kStatic, kClaimed };
 
 // kAuto: the heuristics' choice of paired row blocks (gemm_pairs_pay); kOff / kOn force it where the variant has
-// them (gemm_pairs_rows), kQuads with paired columns too where the column tiles are even in number. All give the
-// same bits.
-enum class PairRows { kAuto, kOff, kOn, kQuads };
+// them (gemm_pairs_rows). Both give the same bits.
+enum class PairRows { kAuto, kOff, kOn };
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto,
                               PairRows pairs = PairRows::kAuto);
@@ -156,9 +152,7 @@ bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char*
 // included, graph replays not), so that tests can tell a paired launch from the unpaired fallback, whose results
 // are the same bits.
 int64_t paired_gemm_launches(int device);
-// Of those, the launches issued as 2 x 2 clusters (GemmConfig::pair_cols).
-int64_t quad_gemm_launches(int device);
-void count_paired_gemm_launch(int device, bool quads);
+void count_paired_gemm_launch(int device);
 
 // Whether the kernels cover every GEMM of an MoE layer with these sizes on this device (else *why).
 bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const char** why);

@@ -16,10 +16,7 @@
 // each tile index to the consumers, otherwise they need no other communication. With paired row
 // blocks (GemmConfig::pair_rows) the CTAs of a 2-CTA cluster take two row blocks of one column tile,
 // and where both are one expert's, each producer loads half of the weight tile into both CTAs
-// (TMA multicast) once both CTAs' consumers have released the stage; the consumers do not change. With paired
-// columns too (GemmConfig::pair_cols, 2 x 2 clusters: rank = 2 x column + row) the two column tiles of a row block
-// also share its A tile, each producer loading 64 of its rows into both. A producer waits for a peer's release of a
-// stage only where it writes into the peer's, and a peer arrives only where it is written into. An expert's last
+// (TMA multicast) once both CTAs' consumers have released the stage; the consumers do not change. An expert's last
 // 64 rows (a half tile) are split along K between the consumers where the ring depth and
 // GemmConfig allow (see Pipeline and the consumers' comment), else multiplied as a full tile.
 #pragma once
@@ -88,15 +85,13 @@ struct SharedStorage {
   // Split half tiles: warpgroup 1's partial sums are in its staging boxes (exchange_full) / read (exchange_empty).
   uint64_t exchange_full;
   uint64_t exchange_empty;
-  // Paired row blocks (GemmConfig::pair_rows): the row peer's producer found its own consumers done with the stage;
-  // col_empty the same for the column peer (GemmConfig::pair_cols).
+  // Paired row blocks (GemmConfig::pair_rows): the peer's producer found its own consumers done with the stage.
   uint64_t pair_empty[Stages];
-  uint64_t col_empty[Stages];
-  // Paired and claimed: rank 0's producer passes each claimed unit to the others (a two-slot ring in each
-  // receiver's pair_work / pair_work_full, emptied into rank 0's pair_work_empty[slot][receiver - 1]).
+  // Paired and claimed: rank 0's producer passes each claimed pair to rank 1's (a two-slot ring in rank 1's
+  // pair_work / pair_work_full, emptied into rank 0's pair_work_empty).
   int32_t pair_work[2];
   uint64_t pair_work_full[2];
-  uint64_t pair_work_empty[2][3];
+  uint64_t pair_work_empty[2];
 };
 
 template <GemmSchedule S, GemmEpilogue E>
@@ -137,15 +132,15 @@ __device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* bar, 
       : "memory");
 }
 
-// The same box into the same shared-memory offset of the cluster's CTAs in `ranks` (a bit mask); each CTA's
-// barrier there counts the bytes it receives.
-__device__ __forceinline__ void tma_load_multicast(const CUtensorMap* map, uint64_t* bar, void* dst, int32_t c0,
-                                                   int32_t c1, int32_t c2, uint16_t ranks) {
+// The same box into the same shared-memory offset of both CTAs of a 2-CTA cluster; each CTA's barrier there
+// counts the bytes it receives.
+__device__ __forceinline__ void tma_load_pair(const CUtensorMap* map, uint64_t* bar, void* dst, int32_t c0, int32_t c1,
+                                              int32_t c2) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
       " [%0], [%1, {%3, %4, %5}], [%2], %6;"
       :
-      : "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(ranks)
+      : "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(uint16_t(3))
       : "memory");
 }
 
@@ -432,13 +427,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       cutlass::arch::ClusterBarrier::init(&smem.exchange_empty, 128);
     }
     if constexpr (kPairs) {
-      for (int s = 0; s < kStages; ++s) {
-        cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);  // the row peer's producer
-        cutlass::arch::ClusterBarrier::init(&smem.col_empty[s], 1);   // the column peer's
-      }
+      for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);  // the peer's producer
       for (int s = 0; s < 2; ++s) {
-        cutlass::arch::ClusterBarrier::init(&smem.pair_work_full[s], 1);  // rank 0's producer
-        for (int q = 0; q < 3; ++q) cutlass::arch::ClusterBarrier::init(&smem.pair_work_empty[s][q], 1);  // receiver q + 1's
+        cutlass::arch::ClusterBarrier::init(&smem.pair_work_full[s], 1);   // rank 0's producer
+        cutlass::arch::ClusterBarrier::init(&smem.pair_work_empty[s], 1);  // rank 1's producer
       }
     }
     cutlass::arch::fence_barrier_init();
@@ -456,21 +448,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // differ in length. Both give the same bits: a tile's result does not depend on which CTA
   // computes it.
   const bool claimed = gemm_claims_tiles(S, E, GatherA) && p.claim_tiles;
-  // Every grid-th tile, or with paired row blocks (GemmConfig::pair_rows, launched as clusters) every
-  // cluster-count-th unit: row blocks 2q and 2q + 1 of one column tile (2-CTA clusters), or of column tiles 2c and
-  // 2c + 1 (pair_cols, 2 x 2 clusters), of which this CTA takes the one its rank in the cluster names. Past the last
-  // real tile of the sequence comes none (CTAs of odd rank stop where the row blocks are odd in number). Lambdas, so
-  // that nothing of this is held in registers across the mainloop.
-  const bool quads = kPairs && p.pair_rows && p.pair_cols;
-  auto cluster_ctas = [&]() { return quads ? 4 : 2; };
-  auto unit_tile = [&](int32_t unit, uint32_t rank) {  // < 2^31 tiles: grouped_gemm_supported bounds them
-    const int32_t cols = quads ? walker.n_tiles / 2 : walker.n_tiles;
-    const int32_t col = quads ? 2 * (unit % cols) + int32_t(rank >> 1) : unit % cols;
-    return int64_t(2 * (unit / cols) + int32_t(rank & 1)) * walker.n_tiles + col;
+  // Every grid-th tile, or with paired row blocks (GemmConfig::pair_rows, launched as 2-CTA clusters) every
+  // cluster-count-th pair of row blocks 2q and 2q + 1 in one column tile, of which this CTA takes the one its rank in
+  // the cluster names. Past the last real tile of the sequence comes none (a CTA of rank 1 stops where the row
+  // blocks are odd in number). Lambdas, so that nothing of this is held in registers across the mainloop.
+  auto pair_tile = [&](int32_t pair) {  // < 2^31 tiles: grouped_gemm_supported bounds them
+    return int64_t(2 * (pair / walker.n_tiles) + int32_t(cluster_rank())) * walker.n_tiles + pair % walker.n_tiles;
   };
   auto first_tile = [&]() -> int64_t {
     if constexpr (kPairs) {
-      if (p.pair_rows) return unit_tile(blockIdx.x / cluster_ctas(), cluster_rank());
+      if (p.pair_rows) return pair_tile(blockIdx.x / 2);
     }
     return blockIdx.x;
   };
@@ -478,8 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     if constexpr (kPairs) {
       if (p.pair_rows) {
         const int32_t n = walker.n_tiles;
-        const int32_t unit = int32_t(t) / n / 2 * (quads ? n / 2 : n) + int32_t(t) % n / (quads ? 2 : 1);
-        return unit_tile(unit + int32_t(gridDim.x) / cluster_ctas(), cluster_rank());
+        return pair_tile(int32_t(t) / n / 2 * n + int32_t(t) % n + int32_t(gridDim.x / 2));
       }
     }
     return t + gridDim.x;
@@ -520,15 +506,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     int32_t ready_expert = -1;
     uint32_t passed = 0;  // claimed order: tiles passed to the consumers
     uint32_t pair_phases = 0;  // paired: bit s is the parity of pair_empty[s]'s next phase
-    uint32_t col_phases = 0;   // paired columns: the same for col_empty[s]
-    // Paired and claimed: rank 0 claims each unit and passes it to the other ranks. Those of odd rank (the second
-    // row block) stop first, where their block of it does not exist (past the last row block); rank 2 (pair_cols)
-    // takes rank 0's row block and stops with it. handoffs counts the units passed / taken, odd_handoffs those
-    // passed to the odd ranks.
+    // Paired and claimed: rank 0 claims each pair and passes it to rank 1 until rank 1's block of it does not exist
+    // (past the last row block), after which rank 1 has stopped. handoffs counts the pairs passed / taken.
     uint32_t handoffs = 0;
-    uint32_t odd_handoffs = 0;
-    bool odd_stopped = false;
-    if constexpr (kPairs) odd_stopped = claimed && p.pair_rows && cluster_rank() == 0 && first_tile() + walker.n_tiles >= walker.total;
+    bool peer_stopped = false;
+    if constexpr (kPairs) peer_stopped = claimed && p.pair_rows && cluster_rank() == 0 && first_tile() + walker.n_tiles >= walker.total;
     auto claim_next = [&]() -> int64_t {
       if constexpr (kPairs) {
         if (p.pair_rows) {
@@ -536,28 +518,21 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           const uint32_t parity = (handoffs >> 1) & 1;
           int32_t work;
           if (cluster_rank() == 0) {
-            work = int32_t(gridDim.x) / cluster_ctas() + atomicAdd(args.tile_counter, 1);
-            CUTE_UNROLL
-            for (uint32_t q = 1; q < 4; ++q) {
-              if (q >= uint32_t(cluster_ctas()) || (q % 2 == 1 && odd_stopped)) continue;
-              wait_cluster(&smem.pair_work_empty[slot][q - 1], parity ^ 1);
-              put_remote(&smem.pair_work[slot], &smem.pair_work_full[slot], work, q);
-            }
-            ++handoffs;
-            if (!odd_stopped) {
-              odd_handoffs = handoffs;
-              odd_stopped = unit_tile(work, 1) >= walker.total;
+            work = int32_t(gridDim.x / 2) + atomicAdd(args.tile_counter, 1);
+            if (!peer_stopped) {
+              wait_cluster(&smem.pair_work_empty[slot], parity ^ 1);
+              put_remote(&smem.pair_work[slot], &smem.pair_work_full[slot], work, 1);
+              ++handoffs;
+              peer_stopped = pair_tile(work) + walker.n_tiles >= walker.total;
             }
           } else {
             wait_cluster(&smem.pair_work_full[slot], parity);
             work = smem.pair_work[slot];
             ++handoffs;
             // The last handoff is not given back: rank 0 no longer waits for it, and may have left.
-            if (unit_tile(work, cluster_rank()) < walker.total) {
-              arrive_remote_release(&smem.pair_work_empty[slot][cluster_rank() - 1], 0);
-            }
+            if (pair_tile(work) < walker.total) arrive_remote_release(&smem.pair_work_empty[slot], 0);
           }
-          return unit_tile(work, cluster_rank());
+          return pair_tile(work);
         }
       }
       return int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1);
@@ -566,18 +541,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       if (claimed) pass_tile(passed++, t);
       if (t >= walker.total) break;
       const Tile tile = walker.at(t);
-      // Both row peers see that their two blocks are one routed expert's (then they share its weight tile); column
-      // peers (pair_cols) take one row block, whose A tile they share where it is routed.
+      // Both CTAs of a pair see that its two blocks are one routed expert's (then they share its weight tile).
       bool shared = false;
-      bool shared_a = false;
       if constexpr (kPairs) {
         const int32_t block = int32_t(t / walker.n_tiles);
         if (p.pair_rows && tile.expert < args.num_experts) {
           const int32_t expert_blocks =
               walker.blocks(args.expert_offsets[tile.expert + 1] - args.expert_offsets[tile.expert]);
-          shared = cluster_rank() % 2 == 0 ? block + 1 < walker.expert_block + expert_blocks
-                                           : block > walker.expert_block;
-          shared_a = quads;
+          shared = cluster_rank() == 0 ? block + 1 < walker.expert_block + expert_blocks : block > walker.expert_block;
         }
       }
       // The rows-ready hook (expert parallelism: rows are placed by the dispatch, never gathered).
@@ -604,22 +575,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
         cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], pos.phase ^ 1);
-        // A split half tile's 64 A rows of k-slice kt come from column peer kt % 2 alone.
-        const bool a_from_me = shared_a && (!tile.split || int32_t(cluster_rank() >> 1) == kt % 2);
-        const bool a_from_peer = shared_a && (!tile.split || int32_t(cluster_rank() >> 1) != kt % 2);
-        // A peer's stage written too: its consumers must be done with it as well. Each producer arrives on the
-        // barrier of a peer that writes into its stage once its own consumers are done, and waits on its own where
-        // it writes into the peer's. A peer can then not arrive twice before the wait: its next use of the stage
-        // needs this one's bytes.
-        if (shared) arrive_remote(&smem.pair_empty[stage], cluster_rank() ^ 1);
-        if (a_from_peer) arrive_remote(&smem.col_empty[stage], cluster_rank() ^ 2);
         if (shared) {
+          // The peer's stage is written too: its consumers must be done with it as well. Each producer arrives on the
+          // other's pair_empty once its own consumers are, so a stage's next use waits for this one's on both sides.
+          arrive_remote(&smem.pair_empty[stage], cluster_rank() ^ 1);
           cutlass::arch::ClusterBarrier::wait(&smem.pair_empty[stage], (pair_phases >> stage) & 1);
           pair_phases ^= 1u << stage;
-        }
-        if (a_from_me) {
-          cutlass::arch::ClusterBarrier::wait(&smem.col_empty[stage], (col_phases >> stage) & 1);
-          col_phases ^= 1u << stage;
         }
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
         bfloat16_t* sa = smem.a + stage * kSubTileElems;
@@ -629,22 +590,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
             // (warpgroup kt % 2, see the consumers): only those are loaded.
             const uint32_t a_bytes = GatherA ? 0 : tile.split ? kBoxBytes : kStageBytes - kStageBBytes;
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBBytes + a_bytes);
-            const uint16_t col_peers = uint16_t((1u << cluster_rank()) | (1u << (cluster_rank() ^ 2)));
             if (!GatherA && tile.split) {
-              if (!shared_a) {
-                tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
-              } else if (a_from_me) {
-                tma_load_multicast(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0, col_peers);
-              }
+              tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
             }
-            if (!GatherA && !tile.split) {
-              if (!shared_a) {
-                load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
-              } else {  // column peer c loads rows [64 c, 64 c + 64) of the tile into both
-                const int32_t c = int32_t(cluster_rank() >> 1);
-                tma_load_multicast(&p.tma_a_half, bar, sa + c * (kSubTileElems / 2), k0, tile.m0 + 64 * c, 0, col_peers);
-              }
-            }
+            if (!GatherA && !tile.split) load_tile<true>(&p.tma_a, bar, sa, tile.m0, k0, 0);
           } else {
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBytes);
             load_tile<false>(&p.tma_a, bar, sa, tile.m0, k0, 0);
@@ -656,9 +605,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
               const int32_t n0 = tile.n_tile * gemm_tile_n(E) + j * (E == GemmEpilogue::kSwiGLU ? args.n : 128);
               if (!shared) {
                 load_tile<BKMajor>(&p.tma_b, bar, sb, n0, k0, tile.expert);
-              } else if (j == int(cluster_rank() % 2)) {  // the other half comes from the row peer
-                tma_load_multicast(&p.tma_b, bar, sb, k0, n0, tile.expert,
-                                   uint16_t((1u << cluster_rank()) | (1u << (cluster_rank() ^ 1))));
+              } else if (j == int(cluster_rank())) {  // the other half comes from the peer
+                tma_load_pair(&p.tma_b, bar, sb, k0, n0, tile.expert);
               }
             } else {
               load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
@@ -681,15 +629,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
     }
     if constexpr (kPairs) {
-      // A receiver gives back every handoff but its last; the one before the last is waited for by no later
-      // handoff, and the receiver's arrival on it must not find this CTA gone.
-      if (claimed && p.pair_rows && cluster_rank() == 0) {
-        CUTE_UNROLL
-        for (uint32_t q = 1; q < 4; ++q) {
-          const uint32_t passed_to = q % 2 == 1 ? odd_handoffs : handoffs;
-          if (q >= uint32_t(cluster_ctas()) || passed_to < 2) continue;
-          wait_cluster(&smem.pair_work_empty[(passed_to - 2) & 1][q - 1], ((passed_to - 2) >> 1) & 1);
-        }
+      // Rank 1 gives back every handoff but the last; the one before the last is waited for by no later handoff,
+      // and rank 1's arrival on it must not find this CTA gone.
+      if (claimed && p.pair_rows && cluster_rank() == 0 && handoffs >= 2) {
+        wait_cluster(&smem.pair_work_empty[(handoffs - 2) & 1], ((handoffs - 2) >> 1) & 1);
       }
     }
     if constexpr (GatherA) cp_async_wait_all();
@@ -1006,24 +949,21 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     smem_set_on[device].store(true, std::memory_order_release);
   }
   if (params.pair_rows) {
-    // 2-CTA (or with pair_cols 2 x 2) clusters, as many as fit at once (1 CTA per SM), asked once per device,
-    // variant and cluster size.
-    static std::atomic<int> clusters_on[2][kMaxDevices];
-    const int ctas = params.pair_cols ? 4 : 2;
-    std::atomic<int>& known = clusters_on[params.pair_cols ? 1 : 0][device];
+    // 2-CTA clusters, as many as fit at once (1 CTA per SM), asked once per device and variant.
+    static std::atomic<int> clusters_on[kMaxDevices];
     cudaLaunchAttribute cluster{};
     cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = ctas;
+    cluster.val.clusterDim.x = 2;
     cluster.val.clusterDim.y = 1;
     cluster.val.clusterDim.z = 1;
     cudaLaunchConfig_t config{};
-    config.gridDim = dim3(ctas * ((grid + ctas - 1) / ctas));
+    config.gridDim = dim3(2 * ((grid + 1) / 2));
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = kSmemBytes<S, E>;
     config.stream = stream;
     config.attrs = &cluster;
     config.numAttrs = 1;
-    int clusters = known.load(std::memory_order_relaxed);
+    int clusters = clusters_on[device].load(std::memory_order_relaxed);
     // Not asked inside a CUDA-graph capture (the query is not known to be capture-safe): launches captured
     // before any eager one stay unpaired.
     if (clusters == 0 && !stream_capturing(stream)) {
@@ -1031,23 +971,22 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
         cudaGetLastError();  // no cluster of this kernel fits (or none can be asked for): the unpaired launch
         clusters = -1;
       }
-      known.store(clusters, std::memory_order_relaxed);
+      clusters_on[device].store(clusters, std::memory_order_relaxed);
     }
     if (clusters > 0) {
-      config.gridDim = dim3(ctas * std::min(clusters, (grid + ctas - 1) / ctas));
+      config.gridDim = dim3(2 * std::min(clusters, (grid + 1) / 2));
       err = cudaLaunchKernelEx(&config, kernel, params);
       if (err != cudaSuccess) {
         cudaGetLastError();  // returned here; left set, the next launch would report it
         return err;
       }
-      count_paired_gemm_launch(device, params.pair_cols);
+      count_paired_gemm_launch(device);
       return cudaGetLastError();
     }
   }
   // Unpaired, also where a paired launch finds no cluster: every grid-th tile, each CTA loading its whole weight tile.
   GemmParams unpaired = params;
   unpaired.pair_rows = false;
-  unpaired.pair_cols = false;
   kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(unpaired);
   return cudaGetLastError();
 }

@@ -110,33 +110,26 @@ def test_claimed_tile_order_gives_the_static_bits(monkeypatch):
                                "the claimed tile order")
 
 
-@pytest.mark.parametrize("pairs", ["1", "2x2"])
 @pytest.mark.parametrize("order", ["static", "claimed"])
 @pytest.mark.parametrize("counts", [[300, 0, 1, 700, 129, 64, 1000, 63] * 2, [64, 64, 64], [1], [0, 0, 5000, 0]])
-@pytest.mark.parametrize("hidden, inter", [(2048, 1536), (2304, 1408), (2048, 1408), (2304, 1536)])
-def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, inter, order, pairs):
+@pytest.mark.parametrize("hidden, inter", [(2048, 1536), (2304, 1408)])
+def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, inter, order):
     """2-CTA clusters over pairs of row blocks that share the weight tile by multicast where both blocks are one
-    expert's (PRIMEMOE_GEMM_PAIRS=1), or 2 x 2 clusters whose column pairs also share the A tile (2x2, where the
-    column tiles are even in number, else pairs), placed statically or claimed (rank 0 claims, passes the unit to
-    the others), against unpaired tiles: bitwise equal on the variants built with pairs (FC1, FC2), with pairs
-    inside and across experts, odd numbers of row blocks (the odd ranks stop first), a lone row block and rows past
-    the routed ones. 36 (hidden 2304, FC1) and 22 (inter 1408, FC2) k-slices per tile make the ring's stage or phase
-    differ from tile to tile (with 2048 x 1536 every tile starts at stage 0, phase 0), which a drift between the
-    CTAs' rings would break; FC1 has 12 column tiles at inter 1536 (2 x 2) and 11 at 1408 (pairs), FC2 8 at hidden
-    2048 (2 x 2) and 9 at 2304 (pairs)."""
+    expert's (PRIMEMOE_GEMM_PAIRS=1), placed statically or claimed (rank 0 claims, passes the pair to rank 1),
+    against unpaired tiles: bitwise equal on the variants built with pairs (FC1, FC2), with pairs inside and
+    across experts, odd numbers of row blocks and rows past the routed ones. 2304 x 1408 gives 36 and 22
+    k-slices per tile, so the ring's stage and phase differ from tile to tile (with 2048 x 1536 every tile
+    starts at stage 0, phase 0), which a drift between the two CTAs' rings would break."""
     gpu = engine_operands(counts, hidden, inter, seed=13, device="cuda")
     ops_under_test = {
         "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
         "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
     }
-    quads = (pairs == "2x2") * ((inter // 128) % 2 == 0) + (pairs == "2x2") * ((hidden // 256) % 2 == 0)
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    device = torch.cuda.current_device()
-    before = ops.paired_gemm_launches(device), ops.quad_gemm_launches(device)
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", pairs, ops_under_test, "paired row blocks")
-    assert ops.paired_gemm_launches(device) == before[0] + len(ops_under_test), \
+    before = ops.paired_gemm_launches(torch.cuda.current_device())
+    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", "1", ops_under_test, "paired row blocks")
+    assert ops.paired_gemm_launches(torch.cuda.current_device()) == before + len(ops_under_test), \
         "a launch asked to pair ran unpaired (no cluster launch)"
-    assert ops.quad_gemm_launches(device) == before[1] + quads, "a launch ran with the wrong cluster shape"
 
 
 FIRST_LAUNCH_IN_CAPTURE = textwrap.dedent("""
@@ -184,7 +177,7 @@ def test_gemm_overrides_are_checked(monkeypatch):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
     monkeypatch.delenv("PRIMEMOE_GEMM_TILE_ORDER")
     monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", "yes")
-    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_PAIRS: expected 0, 1 or 2x2"):
+    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_PAIRS: expected 0 or 1"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
 
 
