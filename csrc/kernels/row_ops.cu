@@ -270,7 +270,6 @@ cudaError_t launch_slot_dot(const SlotDotArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The grid is sized for every row (the bound is not known on the host); the kernel stops at the bound.
 cudaError_t launch_gather_scalars(const GatherScalarsArgs& a, cudaStream_t stream) {
   if (a.value_type == ScaleType::kNone) return cudaErrorInvalidValue;
   if (a.count == 0) return cudaSuccess;
@@ -278,6 +277,7 @@ cudaError_t launch_gather_scalars(const GatherScalarsArgs& a, cudaStream_t strea
   return cudaGetLastError();
 }
 
+// The grid is sized for every row (the bound is not known on the host); the kernel stops at the bound.
 cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& a, cudaStream_t stream) {
   if (a.row_bytes % 16 || a.num_experts < 0) return cudaErrorInvalidValue;
   const int64_t max_vecs = a.num_rows * (a.row_bytes / 16);

@@ -49,9 +49,9 @@ struct SlotDotArgs {
 };
 
 // out[i] = the fp32 sum, in column order, of row index[i] of values [num_values, width], or 0 where index[i] is
-// outside [0, num_values) (-1: no entry). With width 1 the routing weight of each expert-major row; with the
-// FC2 dgrad's per-tile partial dots, a slot's routing-weight gradient. One kernel where the torch composition
-// (clamp, cast, index, compare, where, and a sum) took five or six.
+// outside [0, num_values) (-1: no entry). The layer's uses have width 1: the routing weight of each expert-major
+// row, and each slot's routing-weight gradient from its row's. One kernel where the torch composition (clamp,
+// cast, index, compare, where) took five.
 struct GatherScalarsArgs {
   const void* values;
   ScaleType value_type;  // kFloat32 or kBFloat16
