@@ -349,7 +349,7 @@ at::Tensor slot_dot_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tens
 }
 
 void check_gather_scalars_args(const at::Tensor& values, const at::Tensor& index) {
-  PRIMEMOE_CHECK(values.dim() == 2, "values: expected a 2-D tensor [entries, parts], got ", values.sizes());
+  PRIMEMOE_CHECK(values.dim() == 1, "values: expected a 1-D tensor, got ", values.sizes());
   PRIMEMOE_CHECK(values.scalar_type() == at::kFloat || values.scalar_type() == at::kBFloat16,
                  "values: expected float32 or bfloat16, got ", values.scalar_type());
   PRIMEMOE_CHECK(values.is_contiguous(), "values: expected a contiguous tensor");
@@ -369,22 +369,17 @@ at::Tensor gather_scalars_cuda(const at::Tensor& values, const at::Tensor& index
   args.out = out.data_ptr<float>();
   args.num_values = values.size(0);
   args.count = index.numel();
-  args.width = static_cast<int32_t>(values.size(1));
   check_cuda(launch_gather_scalars(args, c10::cuda::getCurrentCUDAStream()), "gather_scalars");
   return out;
 }
 
-// The same sums in the same (column) order as the GPU: the same bits.
 at::Tensor gather_scalars_cpu(const at::Tensor& values, const at::Tensor& index) {
   check_gather_scalars_args(values, index);
   const int64_t n = values.size(0);
-  const auto valid = index.ge(0).logical_and(index.lt(n));
   auto out = at::zeros(index.sizes(), values.options().dtype(at::kFloat));
-  if (n == 0 || values.size(1) == 0) return out;
-  const auto rows = values.index_select(0, index.clamp(0, n - 1).reshape({-1}).to(at::kLong)).to(at::kFloat);
-  auto acc = rows.select(1, 0).clone();
-  for (int64_t j = 1; j < rows.size(1); ++j) acc = acc + rows.select(1, j);
-  return at::where(valid, acc.view(index.sizes()), out);
+  if (n == 0) return out;
+  const auto taken = values.index_select(0, index.clamp(0, n - 1).reshape({-1}).to(at::kLong)).to(at::kFloat);
+  return at::where(index.ge(0).logical_and(index.lt(n)), taken.view(index.sizes()), out);
 }
 
 // copy_routed_rows: a new tensor whose rows [0, expert_offsets[-1]) are those of `rows`; rows past
@@ -1004,7 +999,7 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale, Tensor? slot_to_row=None) -> Tensor");
   m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
-  // out[i] = sum over j of values[index[i], j] in fp32 (in j order), 0 where index[i] is not a row of values.
+  // out[i] = values[index[i]] in fp32, 0 where index[i] is not an index of values.
   m.def("gather_scalars(Tensor values, Tensor index) -> Tensor");
   m.def("copy_routed_rows(Tensor rows, Tensor expert_offsets) -> Tensor");
   // zero_unrouted=False: output rows at or past expert_offsets[-1] are left unwritten (undefined), for

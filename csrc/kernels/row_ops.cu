@@ -198,12 +198,8 @@ __global__ void __launch_bounds__(kRowThreads) slot_dot_kernel(SlotDotArgs a) {
 
 __global__ void __launch_bounds__(kRowThreads) gather_scalars_kernel(GatherScalarsArgs a) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < a.count; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = a.index[i];
-    float acc = 0.f;
-    if (row >= 0 && row < a.num_values) {
-      for (int32_t j = 0; j < a.width; ++j) acc += load_scale(a.values, a.value_type, row * a.width + j);
-    }
-    a.out[i] = acc;
+    const int64_t at = a.index[i];
+    a.out[i] = at >= 0 && at < a.num_values ? load_scale(a.values, a.value_type, at) : 0.f;
   }
 }
 

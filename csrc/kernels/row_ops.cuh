@@ -48,18 +48,16 @@ struct SlotDotArgs {
   int32_t width;
 };
 
-// out[i] = the fp32 sum, in column order, of row index[i] of values [num_values, width], or 0 where index[i] is
-// outside [0, num_values) (-1: no entry). The layer's uses have width 1: the routing weight of each expert-major
-// row, and each slot's routing-weight gradient from its row's. One kernel where the torch composition (clamp,
-// cast, index, compare, where) took five.
+// out[i] = values[index[i]] in fp32, or 0 where index[i] is outside [0, num_values) (-1: no entry): the routing
+// weight of each expert-major row, and each slot's routing-weight gradient from its row's. One kernel where the
+// torch composition (clamp, cast, index, compare, where) took five.
 struct GatherScalarsArgs {
-  const void* values;
+  const void* values;    // [num_values]
   ScaleType value_type;  // kFloat32 or kBFloat16
   const int32_t* index;
   float* out;
   int64_t num_values;
   int64_t count;  // entries of index and out
-  int32_t width;
 };
 
 // dst[r] = src[r] for the routed rows r < expert_offsets[num_experts] (the bound is read on the

@@ -193,7 +193,7 @@ def use_engine(x: torch.Tensor, w1: torch.Tensor) -> bool:
 
 def row_weights(topk_weights, row_to_slot):
     """fp32 routing weight of each expert-major row, 0 on padding rows."""
-    return lib.gather_scalars(topk_weights.reshape(-1, 1), row_to_slot)
+    return lib.gather_scalars(topk_weights.reshape(-1), row_to_slot)
 
 
 def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, zero_unrouted=True):
@@ -278,7 +278,7 @@ def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine
     dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None, slot_to_row)
     row_weight = row_weights(topk_weights, row_to_slot)
     dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine)
-    d_topk_weights = lib.gather_scalars(dtw_rows.unsqueeze(1), slot_to_row)
+    d_topk_weights = lib.gather_scalars(dtw_rows, slot_to_row)
     dx = lib.combine_reduce(dxs, slot_to_row, None)
     return dx, d_topk_weights, dw1, dw2
 
