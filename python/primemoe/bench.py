@@ -657,7 +657,7 @@ def _git_commit() -> Optional[str]:
 
 def _timing_note(args) -> str:
     regions = "dispatch and combine" if args.comm else "forward and backward"
-    settle = f"; {args.settle:g} s idle before each layer case and implementation" if not args.comm else ""
+    settle = f"; {args.settle:g} s idle before each case and implementation"
     return (f"CUDA events around {regions} separately; {args.warmup} warm-up, median of "
             f"{args.iters} iterations{settle}; L2 flushed (256 MB write) before every timed region; EP>1: ranks "
             f"aligned by an all-reduce before each region, iteration time = max over ranks")
@@ -771,8 +771,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=_int_from(0), default=5)
     p.add_argument("--iters", type=_int_from(1), default=20, help="timed iterations (median reported)")
     p.add_argument("--settle", type=_seconds, default=2.0,
-                   help="seconds the GPU idles before each case and implementation is timed (layer only; "
-                        "default 2)")
+                   help="seconds the GPU idles before each case and implementation is timed (default 2)")
     p.add_argument("--skip-reference-above", type=_int_from(1), metavar="TOKENS",
                    help="run the reference only up to this many tokens per rank (default: the smallest --tokens)")
     p.add_argument("--seed", type=int, default=0)
