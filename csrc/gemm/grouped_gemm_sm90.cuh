@@ -926,12 +926,18 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 #endif
 }
 
-// Whether `stream` is capturing a CUDA graph (a failed query, cleared, counts as capturing).
-inline bool stream_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess) return capture != cudaStreamCaptureStatusNone;
+// How many clusters of `kernel` fit at once (0: none, or the query failed; its error cleared). The query
+// enqueues nothing, but a global-mode graph capture forbids calls it does not know to be safe on every thread:
+// this thread's mode is relaxed around it, so a launch captured before any eager one pairs as well.
+template <typename Kernel>
+int max_active_clusters(Kernel kernel, const cudaLaunchConfig_t& config) {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) clusters = 0;
+  if (exchanged) cudaThreadExchangeStreamCaptureMode(&mode);
   cudaGetLastError();
-  return true;
+  return std::max(clusters, 0);
 }
 
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
@@ -964,13 +970,9 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     config.attrs = &cluster;
     config.numAttrs = 1;
     int clusters = clusters_on[device].load(std::memory_order_relaxed);
-    // Not asked inside a CUDA-graph capture (the query is not known to be capture-safe): launches captured
-    // before any eager one stay unpaired.
-    if (clusters == 0 && !stream_capturing(stream)) {
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0) {
-        cudaGetLastError();  // no cluster of this kernel fits (or none can be asked for): the unpaired launch
-        clusters = -1;
-      }
+    if (clusters == 0) {
+      clusters = max_active_clusters(kernel, config);
+      if (clusters == 0) clusters = -1;  // no cluster of this kernel fits: the unpaired launch
       clusters_on[device].store(clusters, std::memory_order_relaxed);
     }
     if (clusters > 0) {
