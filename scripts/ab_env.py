@@ -4,7 +4,8 @@ between calls would time a faster clock). Variants alternate phase by phase with
 rounds, so drift in the power-capped clock falls on all of them alike.
 Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
            --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
-Prints and writes, per shape, tokens, stage (gather, fc1, fc2, forward, backward) and variant, the median ms of each round."""
+Prints and writes, per shape, tokens, stage (gather, fc1, fc2, forward, backward) and variant, the median ms of
+each round."""
 import argparse
 import json
 import os

@@ -63,5 +63,6 @@ for r in results:
     r["sm_mhz"] = round(statistics.mean(x[1] for x in s), 0) if s else None
     r["watts"] = round(statistics.mean(x[2] for x in s), 0) if s else None
     r["capped"] = sum(x[3] != "0x0000000000000000" for x in s), len(s)
-    print(f"{r['name']:55} n={r['n']:5} {r['median']:7.3f} ms {r['tflops'] or 0:6.1f} TF/s  {r['sm_mhz']} MHz {r['watts']} W capped {r['capped']}")
+    print(f"{r['name']:55} n={r['n']:5} {r['median']:7.3f} ms {r['tflops'] or 0:6.1f} TF/s  {r['sm_mhz']} MHz "
+          f"{r['watts']} W capped {r['capped']}")
 json.dump(results, open(os.environ.get("OUT", ".") + "/clock_state.json", "w"), indent=1)

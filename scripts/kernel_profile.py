@@ -55,7 +55,8 @@ def main():
         for name, fn in passes.items():
             per = kernel_times(fn, a.iters)
             total = sum(per.values())
-            out[f"{shape}/{T} {name}"] = {"total_us": round(total, 1), "kernels_us": {k: round(v, 1) for k, v in per.items()}}
+            out[f"{shape}/{T} {name}"] = {"total_us": round(total, 1),
+                                          "kernels_us": {k: round(v, 1) for k, v in per.items()}}
             print(f"== {shape} T={T} {name}: {total:.1f} µs of kernels per call")
             for k, v in per.items():
                 print(f"  {v:9.1f} µs {100 * v / total:5.1f}%  {k}")

@@ -22,7 +22,8 @@ def _cpu_grouped_mm_available() -> bool:
 
 # torch >= 2.14 has a CPU fallback for _grouped_mm; older releases (e.g. 2.11 on the
 # GPU machine) run the baseline on CUDA only, where tests/gpu covers it.
-pytestmark = pytest.mark.skipif(not _cpu_grouped_mm_available(), reason="torch._grouped_mm has no CPU kernel in this torch")
+pytestmark = pytest.mark.skipif(not _cpu_grouped_mm_available(),
+                                reason="torch._grouped_mm has no CPU kernel in this torch")
 
 SHAPE = dict(hidden=64, inter=32, experts=8, top_k=4)
 

@@ -293,10 +293,12 @@ offsets = torch.tensor([0, 5, 12], dtype=torch.int32)
 """
 CPP_ERRORS = {
     # name: (setup line, call, message pattern)
-    "layout_id_E": ("ids[4, 1] = 4", "ops.dispatch_layout(ids, 4, 0, 4, 1)", r"topk_idx\[4, 1\] = 4 is not an expert id"),
+    "layout_id_E": ("ids[4, 1] = 4", "ops.dispatch_layout(ids, 4, 0, 4, 1)",
+                    r"topk_idx\[4, 1\] = 4 is not an expert id"),
     "layout_id_999": ("ids[4, 1] = 999", "ops.dispatch_layout(ids, 4, 0, 4, 1)", r"topk_idx\[4, 1\] = 999 is not"),
     "layout_id_-2": ("ids[4, 1] = -2", "ops.dispatch_layout(ids, 4, 0, 4, 1)", r"topk_idx\[4, 1\] = -2 is not"),
-    "layout_no_local_experts": ("", "ops.dispatch_layout(ids, 4, 0, 0, 1)", "num_local_experts: expected 1..1024, got 0"),
+    "layout_no_local_experts": ("", "ops.dispatch_layout(ids, 4, 0, 0, 1)",
+                                "num_local_experts: expected 1..1024, got 0"),
     "layout_experts_past_E": ("", "ops.dispatch_layout(ids, 4, 2, 3, 1)", "expert_begin: local experts must lie"),
     "layout_row_align_0": ("", "ops.dispatch_layout(ids, 4, 0, 4, 0)", "row_align: expected >= 1, got 0"),
     "gather_fp32_src": ("", "ops.gather_rows(x.float(), row_to_slot, 2, None)", "src: expected bfloat16"),

@@ -9,9 +9,9 @@ import torch
 
 import primemoe
 
-OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine_reduce", "slot_dot", "gather_scalars", "take_error",
-       "describe_error", "fc1_swiglu", "expert_gemm", "fc2_dgrad_swiglu", "expert_wgrad", "expert_gemm_unsupported",
-       "paired_gemm_launches")
+OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine_reduce", "slot_dot", "gather_scalars",
+       "take_error", "describe_error", "fc1_swiglu", "expert_gemm", "fc2_dgrad_swiglu", "expert_wgrad",
+       "expert_gemm_unsupported", "paired_gemm_launches")
 SETUP_PY = Path(__file__).resolve().parents[1] / "setup.py"
 
 

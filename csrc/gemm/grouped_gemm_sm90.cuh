@@ -386,7 +386,8 @@ struct TileWalker {
       const int32_t begin = args.expert_offsets[e];
       int32_t rows = args.expert_offsets[e + 1] - begin;
       if (args.expert_rows != nullptr) rows = max(min(rows, args.expert_rows[e]), 0);
-      tile = {e, (r / n_tiles) * kGemmTileM, r % n_tiles, begin, (rows + kGemmTileK - 1) / kGemmTileK, kGemmTileM, false};
+      tile = {e, (r / n_tiles) * kGemmTileM, r % n_tiles, begin, (rows + kGemmTileK - 1) / kGemmTileK, kGemmTileM,
+              false};
     }
     return tile;
   }
@@ -427,7 +428,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       cutlass::arch::ClusterBarrier::init(&smem.exchange_empty, 128);
     }
     if constexpr (kPairs) {
-      for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);  // the peer's producer
+      // the peer's producer
+      for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);
       for (int s = 0; s < 2; ++s) {
         cutlass::arch::ClusterBarrier::init(&smem.pair_work_full[s], 1);   // rank 0's producer
         cutlass::arch::ClusterBarrier::init(&smem.pair_work_empty[s], 1);  // rank 1's producer
@@ -510,7 +512,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // (past the last row block), after which rank 1 has stopped. handoffs counts the pairs passed / taken.
     uint32_t handoffs = 0;
     bool peer_stopped = false;
-    if constexpr (kPairs) peer_stopped = claimed && p.pair_rows && cluster_rank() == 0 && first_tile() + walker.n_tiles >= walker.total;
+    if constexpr (kPairs)
+      peer_stopped = claimed && p.pair_rows && cluster_rank() == 0 && first_tile() + walker.n_tiles >= walker.total;
     auto claim_next = [&]() -> int64_t {
       if constexpr (kPairs) {
         if (p.pair_rows) {

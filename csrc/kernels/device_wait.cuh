@@ -25,8 +25,9 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
 }
 
 // Spins until *flag >= target. Returns false after recording a timeout.
-__device__ __forceinline__ bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t timeout_ns, ErrorRecord* error,
-                                     int32_t me, int32_t awaited_rank, int64_t what, int64_t phase) {
+__device__ __forceinline__ bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t timeout_ns,
+                                              ErrorRecord* error, int32_t me, int32_t awaited_rank, int64_t what,
+                                              int64_t phase) {
   const uint64_t start = now_ns();
   while (load_acquire(flag) < target) {
     if (now_ns() - start > timeout_ns) {

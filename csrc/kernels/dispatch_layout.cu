@@ -243,7 +243,8 @@ cudaError_t launch_typed(const DispatchLayoutArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_dispatch_layout(const DispatchLayoutArgs& args, cudaStream_t stream) {
-  if (args.num_local < 1 || args.top_k < 1 || args.num_local > kLayoutMaxLocalExperts || args.row_align < 1) return cudaErrorInvalidValue;
+  if (args.num_local < 1 || args.top_k < 1 || args.num_local > kLayoutMaxLocalExperts || args.row_align < 1)
+    return cudaErrorInvalidValue;
   return args.idx_is_int64 ? launch_typed<int64_t>(args, stream) : launch_typed<int32_t>(args, stream);
 }
 

@@ -28,7 +28,9 @@ struct EpConfig {
   bool force_put;     // every other rank takes puts, as if on another node (tests the put path on one node)
 
   PRIMEMOE_HOST_DEVICE int64_t max_slots() const { return int64_t(max_tokens) * top_k; }
-  PRIMEMOE_HOST_DEVICE int64_t max_recv_rows() const { return int64_t(world) * max_slots() + int64_t(local_experts) * (row_align - 1); }
+  PRIMEMOE_HOST_DEVICE int64_t max_recv_rows() const {
+    return int64_t(world) * max_slots() + int64_t(local_experts) * (row_align - 1);
+  }
 };
 
 // Byte offsets of each region inside the symmetric allocation (16-byte aligned).

@@ -84,7 +84,8 @@ def check_moe_inputs(x, topk_idx, topk_weights, w1, w2, *, precision="bf16", num
         raise ValueError(f"w1: expected an even, non-zero second dim 2I (gate rows then up rows), got {two_i}")
     inter = two_i // 2
     if tuple(w2.shape) != (local_experts, H, inter):
-        raise ValueError(f"w2: expected shape {(local_experts, H, inter)} = [E_local, H, I] from w1, got {tuple(w2.shape)}")
+        raise ValueError(f"w2: expected shape {(local_experts, H, inter)} = [E_local, H, I] from w1, "
+                         f"got {tuple(w2.shape)}")
 
     if topk_idx.dtype not in _INDEX_DTYPES:
         raise TypeError(f"topk_idx: expected dtype int64 or int32, got {topk_idx.dtype}")
@@ -118,7 +119,8 @@ def check_moe_inputs(x, topk_idx, topk_weights, w1, w2, *, precision="bf16", num
                                  f"vectors), got a view {t.data_ptr() % 16} bytes past a boundary: pass a copy")
         major, _ = torch.cuda.get_device_capability(x.device)
         if major < 9:
-            raise NotImplementedError(f"x: primemoe needs an sm_90 (Hopper) or newer GPU, got sm_{major}x on {x.device}")
+            raise NotImplementedError("x: primemoe needs an sm_90 (Hopper) or newer GPU, "
+                                      f"got sm_{major}x on {x.device}")
 
     if max_tokens is not None and T > max_tokens:
         raise ValueError(f"x: {T} tokens exceed the buffer's capacity max_tokens_per_rank={max_tokens}")
@@ -140,5 +142,6 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
         pos = bad.nonzero()[0]
         t, k = int(pos[0]), int(pos[1])
         raise ValueError(
-            f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is not an expert id: expected -1 or a value in [0, {num_experts})"
+            f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is not an expert id: expected -1 or a value in "
+            f"[0, {num_experts})"
         )

@@ -226,7 +226,8 @@ class _SymmMemComm:
             empty = partial(symm_mem.empty, device=inp.x.device)
             splits = {d: (empty(world, dtype=torch.int64), empty(2, world, dtype=torch.int64))
                       for d in ("dispatch", "combine")}
-            _SymmMemComm.buffers = (empty(elems, dtype=torch.bfloat16), empty(world * elems, dtype=torch.bfloat16), splits)
+            _SymmMemComm.buffers = (empty(elems, dtype=torch.bfloat16), empty(world * elems, dtype=torch.bfloat16),
+                                    splits)
         send_flat, recv_flat, self.splits = self.buffers
         send, send_counts, recv_counts = _routed_rows(inp, group)
         # Views of the symmetric tensors: the op finds their allocation through the storage.
@@ -256,7 +257,8 @@ class Impl:
 IMPLS = {
     "baseline": Impl(_Baseline, ("bf16",), "sort + torch._grouped_mm; NCCL all-to-all at EP>1"),
     "primemoe": Impl(_primemoe, PRECISIONS, "torch.ops.primemoe.moe_forward / moe_backward; EP>1: "
-                     "primemoe.moe(buffer=primemoe.Buffer) with autograd (NVSHMEM dispatch/combine on the Buffer's default SMs)"),
+                     "primemoe.moe(buffer=primemoe.Buffer) with autograd (NVSHMEM dispatch/combine on the Buffer's "
+                     "default SMs)"),
     "reference": Impl(_Reference, ("bf16",), "pure-PyTorch loop over experts (fp32), autograd backward",
                       single_gpu="single GPU only"),
 }
@@ -765,7 +767,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m primemoe.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=TARGET_SHAPES)
     p.add_argument("--tokens", nargs="+", type=_int_from(1), default=[4096, 8192, 16384], help="tokens per rank")
-    p.add_argument("--ep", nargs="+", type=_int_from(1), default=[1, 2], help="expert-parallel sizes (one GPU per rank)")
+    p.add_argument("--ep", nargs="+", type=_int_from(1), default=[1, 2],
+                   help="expert-parallel sizes (one GPU per rank)")
     p.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"])
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--warmup", type=_int_from(0), default=5)
@@ -822,7 +825,8 @@ def main(argv=None) -> int:
         if ep > gpus:
             if not symm_mem:  # one line per EP size
                 print(f"skip EP={ep}: needs {ep} GPUs, {gpus} visible", flush=True)
-            results += [_result(c, "n/a", c.skip) if c.skip else _result(c, "skipped", f"needs {ep} GPUs, {gpus} visible")
+            results += [_result(c, "n/a", c.skip) if c.skip
+                        else _result(c, "skipped", f"needs {ep} GPUs, {gpus} visible")
                         for c in block]
         elif ep == 1:
             def report(case, result):

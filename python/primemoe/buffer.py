@@ -47,7 +47,8 @@ _INT32_MAX = 2 ** 31 - 1
 # Dispatch/combine SMs: on 2x H200 (NVLink) both directions moved more bytes per second with 16 than
 # with 24 at >= 8192 tokens per rank (benchmarks/RESULTS.md, fourth session).
 DEFAULT_NUM_SMS = 16
-MAX_EXPERTS = 1024  # kLayoutMaxLocalExperts of csrc/kernels/dispatch_layout.cuh (the send-side layout spans all experts)
+# kLayoutMaxLocalExperts of csrc/kernels/dispatch_layout.cuh (the send-side layout spans all experts)
+MAX_EXPERTS = 1024
 EP_TRANSPORTS = ("auto", "put")
 
 
@@ -249,7 +250,8 @@ class Buffer:
                                intermediate=intermediate, num_experts=num_experts, top_k=top_k,
                                row_align=row_align, num_sms=num_sms)
         if not torch.cuda.is_available():
-            raise RuntimeError("primemoe.Buffer: needs CUDA (NVSHMEM runs on GPUs), but torch.cuda.is_available() is False")
+            raise RuntimeError("primemoe.Buffer: needs CUDA (NVSHMEM runs on GPUs), but "
+                               "torch.cuda.is_available() is False")
 
         self.group = group
         self.rank = dist.get_rank(group)

@@ -29,7 +29,8 @@ def check_buffer_problem(shape, device, precision, buffer) -> None:
     if buffer.closed:
         raise RuntimeError("buffer: this primemoe.Buffer is closed")
     if precision != buffer.precision:
-        raise ValueError(f"precision: got {precision!r}, but the buffer was created with precision={buffer.precision!r}")
+        raise ValueError(f"precision: got {precision!r}, but the buffer was created with "
+                         f"precision={buffer.precision!r}")
     if device != buffer.device:
         raise ValueError(f"x: expected a tensor on the buffer's device {buffer.device}, got {device}")
     if shape.hidden != buffer.hidden:

@@ -5,8 +5,8 @@ torch.compile traces every op, the CPU and CUDA implementations of
 ``moe_forward`` / ``moe_backward``, and their autograd formula.
 
 CUDA path: the ``dispatch_layout`` kernel (device-side counts and row maps, no host
-sync), ``gather_rows`` into expert-major order, the expert GEMM engine (persistent warp-specialised sm_90a kernels, csrc/gemm/)
-and the deterministic ``combine_reduce`` kernel, which sums each token's already
+sync), ``gather_rows`` into expert-major order, the expert GEMM engine (persistent warp-specialised sm_90a kernels,
+csrc/gemm/) and the deterministic ``combine_reduce`` kernel, which sums each token's already
 weighted rows. The engine's ops:
 
 - ``fc1_swiglu``: FC1 with SwiGLU in the epilogue over rows in expert-major order

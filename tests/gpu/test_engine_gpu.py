@@ -327,7 +327,8 @@ def test_fc1_rows_ready_timeout_names_rank_and_expert(monkeypatch):
     ready = torch.tensor([2, 0, 1], dtype=torch.int64, device="cuda")
     epoch = torch.ones(1, dtype=torch.int64, device="cuda")
     ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, ready, epoch, 2, 5)
-    with pytest.raises(primemoe.DeviceError, match=r"rank 5 timed out .*rows of local expert 2, before its expert GEMM"):
+    with pytest.raises(primemoe.DeviceError,
+                       match=r"rank 5 timed out .*rows of local expert 2, before its expert GEMM"):
         primemoe.check_errors()
     primemoe.check_errors()  # reported once, then cleared
 

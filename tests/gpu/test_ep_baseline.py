@@ -15,5 +15,6 @@ CASES = EP_CASES
 @pytest.mark.parametrize("case", CASES)
 def test_baseline_expert_parallel_nccl(tmp_path, monkeypatch, case):
     # NVLink multicast must stay off on the test machine.
-    prepare_spawn(monkeypatch, tmp_path, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    prepare_spawn(monkeypatch, tmp_path, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1",
+                  TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     run_ep_case(tmp_path, "nccl", shape=SHAPE, seed=13, device="cuda:0", **CASES[case])

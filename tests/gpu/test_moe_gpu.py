@@ -154,7 +154,8 @@ def test_cuda_graph_replay_matches_eager():
     results = graph_replays(primemoe.moe, small_problem(1000, "uniform", seed=6), replays)
     for routing, (replayed, eager) in zip(routings, results):
         for name in OUTPUT_NAMES:
-            assert torch.equal(getattr(replayed, name), getattr(eager, name)), f"{name}: graph replay ({routing}) != eager"
+            assert torch.equal(getattr(replayed, name), getattr(eager, name)), (
+                f"{name}: graph replay ({routing}) != eager")
 
 
 # Over 8 MiB of weights per expert (FC1 and FC1 dgrad: 2 x 1536 x 2048 bf16), so those GEMMs claim their
@@ -177,7 +178,8 @@ def test_cuda_graph_replay_matches_eager_with_claimed_tiles():
                             replays)
     for routing, (replayed, eager) in zip(routings, results):
         for name in OUTPUT_NAMES:
-            assert torch.equal(getattr(replayed, name), getattr(eager, name)), f"{name}: graph replay ({routing}) != eager"
+            assert torch.equal(getattr(replayed, name), getattr(eager, name)), (
+                f"{name}: graph replay ({routing}) != eager")
 
 
 @pytest.mark.parametrize("tokens", [17, 4095])
