@@ -11,8 +11,11 @@ from primemoe.bench import SHAPES
 lib = torch.ops.primemoe
 fields = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 smi_path = "/tmp/clock_state_smi.csv"
-smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50"],
-                       stdout=open(smi_path, "w"))
+# This process's GPU only: on a host with several, nvidia-smi prints a line per GPU and the idle ones would be averaged in.
+uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+smi = subprocess.Popen(["nvidia-smi", "-i", uuid, f"--query-gpu={fields}", "--format=csv,noheader,nounits",
+                        "-lms", "50"], stdout=open(smi_path, "w"))
 results = []
 def phase(name, fn, secs=2.0, gap=0.0, flops=None):
     torch.cuda.synchronize(); time.sleep(0.8)
