@@ -846,19 +846,17 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     if (!epilogue) continue;
     if constexpr (kDeferred) {
       if constexpr (E == GemmEpilogue::kSwiGLU) {
-        // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them. The
-        // activation (MUFU-bound: an exp and a reciprocal per value) runs while TMA reads the gate half out of
-        // the boxes that the up half then reuses; the up half waits packed, so the accumulator is dead after it.
-        if (args.out_h != nullptr) store_round(Int<0>{}, [&](int i) { return pack(acc(i), acc(i + 1)); }, row0, tile.n_tile);
-        __nv_bfloat162 up[kHalf / 2];
+        // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them.
+        if (args.out_h != nullptr) {
+          store_round(Int<0>{}, [&](int i) { return pack(acc(i), acc(i + 1)); }, row0, tile.n_tile);
+          store_round(Int<1>{}, [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); }, row0, tile.n_tile);
+        }
         CUTE_UNROLL
         for (int i = 0; i < kHalf; i += 2) {
-          up[i / 2] = pack(acc(kHalf + i), acc(kHalf + i + 1));
           const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
-          const float2 u = __bfloat1622float2(up[i / 2]);
+          const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
           held[i / 2] = pack(silu(g.x) * u.x, silu(g.y) * u.y);
         }
-        if (args.out_h != nullptr) store_round(Int<1>{}, [&](int i) { return up[i / 2]; }, row0, tile.n_tile);
       } else {
         auto scaled_pair = [&](int v) {
           const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
