@@ -1,5 +1,4 @@
 // Host side of the grouped GEMM family: checks, TMA descriptors, variant choice, launch.
-#include <cstdlib>
 #include <cuda.h>
 
 #include <atomic>
@@ -180,7 +179,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.split_half_tiles = config.split_half_tiles;
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
-  params.ab_silu_pair = std::getenv("PRIMEMOE_AB_SILU_PAIR") != nullptr;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -396,16 +396,6 @@ struct TileWalker {
 // Fast division: the result is rounded to bf16, so its 2-ulp error does not show.
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
-// silu of a value pair with one reciprocal, 1 / d0 = d1 / (d0 d1): three MUFU operations where silu takes four
-// (FC1's activation is MUFU-bound). The exponent is clamped at 43 so that d0 d1 <= (1 + e^43)^2 < 2^126 stays in
-// __fdividef's range; below g = -43, silu(g) = g e^g is under 1e-16 either way.
-__device__ __forceinline__ float2 silu_pair(float2 g) {
-  const float d0 = 1.0f + __expf(fminf(-g.x, 43.0f));
-  const float d1 = 1.0f + __expf(fminf(-g.y, 43.0f));
-  const float r = __fdividef(1.0f, d0 * d1);
-  return make_float2(g.x * (d1 * r), g.y * (d0 * r));
-}
-
 __device__ __forceinline__ __nv_bfloat162 pack(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
 
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
@@ -861,21 +851,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           store_round(Int<0>{}, [&](int i) { return pack(acc(i), acc(i + 1)); }, row0, tile.n_tile);
           store_round(Int<1>{}, [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); }, row0, tile.n_tile);
         }
-        if (p.ab_silu_pair) {
-        CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) {
-          const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
-          const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
-          const float2 sg = silu_pair(g);
-          held[i / 2] = pack(sg.x * u.x, sg.y * u.y);
-        }
-        } else {
         CUTE_UNROLL
         for (int i = 0; i < kHalf; i += 2) {
           const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
           const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
           held[i / 2] = pack(silu(g.x) * u.x, silu(g.y) * u.y);
-        }
         }
       } else {
         auto scaled_pair = [&](int v) {
