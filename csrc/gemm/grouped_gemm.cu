@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "grouped_gemm_launch.cuh"
 
@@ -179,6 +181,10 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.split_half_tiles = config.split_half_tiles;
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
+  // PRIMEMOE_FC1_ACTIVATION=consumers: the consumer warpgroups compute FC1's activation in their epilogue (the
+  // form before activation warps; same bits), for comparisons.
+  const char* activation = std::getenv("PRIMEMOE_FC1_ACTIVATION");
+  params.activation_warps = activation == nullptr || std::string(activation) != "consumers";
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -110,6 +110,26 @@ def test_claimed_tile_order_gives_the_static_bits(monkeypatch):
                                "the claimed tile order")
 
 
+@pytest.mark.parametrize("pairs", ["0", "1"])
+@pytest.mark.parametrize("order", ["static", "claimed"])
+@pytest.mark.parametrize("counts, hidden", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304), ([1, 129, 300] * 60, 64),
+                                            ([1, 129, 300] * 60, 192), ([0, 0, 5000, 0], 2048)])
+def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, order, pairs):
+    """FC1's activation by two producer warps (the default) against the consumer warpgroups computing it
+    (PRIMEMOE_FC1_ACTIVATION=consumers), with h kept and not: bitwise equal, every element written. Split half
+    tiles with one and three k-slices (k = 64, 192: the second warpgroup has none / one, so its held job goes
+    after the mainloop), 36 k-slices (2304), rows past the routed ones, both tile orders, paired and not."""
+    gpu = engine_operands(counts, hidden, 1408, seed=17, device="cuda")
+    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
+    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
+    ops_under_test = {
+        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
+        "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
+    }
+    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_ACTIVATION", "consumers", "warps", ops_under_test,
+                               "the activation warps")
+
+
 @pytest.mark.parametrize("order", ["static", "claimed"])
 @pytest.mark.parametrize("counts", [[300, 0, 1, 700, 129, 64, 1000, 63] * 2, [64, 64, 64], [1], [0, 0, 5000, 0]])
 @pytest.mark.parametrize("hidden, inter", [(2048, 1536), (2304, 1408)])
