@@ -11,7 +11,8 @@ from primemoe.bench import SHAPES
 lib = torch.ops.primemoe
 fields = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 smi_path = "/tmp/clock_state_smi.csv"
-# This process's GPU only: on a host with several, nvidia-smi prints a line per GPU and the idle ones would be averaged in.
+# This process's GPU only: on a host with several, nvidia-smi prints a line per GPU, and the idle ones would be
+# averaged in.
 uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
 smi = subprocess.Popen(["nvidia-smi", "-i", uuid, f"--query-gpu={fields}", "--format=csv,noheader,nounits",

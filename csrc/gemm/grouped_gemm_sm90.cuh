@@ -92,9 +92,9 @@ struct SharedStorage {
   int32_t pair_work[2];
   uint64_t pair_work_full[2];
   uint64_t pair_work_empty[2];
-  // FC1 (gemm_activation_warps): consumer warpgroup w's 64 columns of gate and up pre-activations are in its
-  // staging boxes (act_full[w]; their row and column in act_job[w], column -1: stop), or the boxes are free
-  // again (act_empty[w]).
+  // FC1's activation warps (kActWarps in the kernel): consumer warpgroup w's 64 columns of gate and up
+  // pre-activations are in its staging boxes (act_full[w]; their row and column in act_job[w], column -1: stop),
+  // or the boxes are free again (act_empty[w]).
   uint64_t act_full[2];
   uint64_t act_empty[2];
   int32_t act_job[2][2];
@@ -955,7 +955,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       const uint32_t part = smem_addr(smem.staging[1]) + 4 * wtid;
       if (wg == 1) staging_acquire(1, wtid);
       // The activation warp is done with these boxes.
-      if (kActWarps && act_warps && wg == 1) cutlass::arch::ClusterBarrier::wait(&smem.act_empty[1], (act_jobs & 1) ^ 1);
+      if (kActWarps && act_warps && wg == 1) {
+        cutlass::arch::ClusterBarrier::wait(&smem.act_empty[1], (act_jobs & 1) ^ 1);
+      }
       CUTE_UNROLL
       for (int v0 = 0; v0 < size(acc); v0 += kPerRound) {
         const uint32_t parity = exchanges & 1;
