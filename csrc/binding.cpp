@@ -691,10 +691,22 @@ PairRows pair_rows_from_env() {
   return v == "1" ? PairRows::kOn : PairRows::kOff;
 }
 
+// PRIMEMOE_FC1_ACTIVATION=warps|consumers (unset: warps): who computes FC1's activation. Read at every launch, as
+// the tile order.
+Fc1Activation fc1_activation_from_env() {
+  const char* activation = std::getenv("PRIMEMOE_FC1_ACTIVATION");
+  if (activation == nullptr || *activation == '\0') return Fc1Activation::kWarps;
+  const std::string v(activation);
+  PRIMEMOE_CHECK(v == "warps" || v == "consumers", "PRIMEMOE_FC1_ACTIVATION: expected warps or consumers, got '", v,
+                 "'");
+  return v == "warps" ? Fc1Activation::kWarps : Fc1Activation::kConsumers;
+}
+
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
   const char* why = "";
   PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
-  const GemmConfig config = choose_gemm_config(g, tile_order_from_env(), pair_rows_from_env());
+  const GemmConfig config =
+      choose_gemm_config(g, tile_order_from_env(), pair_rows_from_env(), fc1_activation_from_env());
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {

@@ -3,8 +3,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "grouped_gemm_launch.cuh"
 
@@ -160,7 +158,7 @@ bool gemm_pairs_pay(const GroupedGemmArgs& a) {
   return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && max_output_tiles(a) > a.num_sms;
 }
 
-GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs) {
+GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs, Fc1Activation activation) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
@@ -170,6 +168,8 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) &&
                      (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
+  config.activation_warps =
+      gemm_activation_warps(a.schedule, a.epilogue, a.a_row_src != nullptr) && activation == Fc1Activation::kWarps;
   return config;
 }
 
@@ -181,10 +181,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.split_half_tiles = config.split_half_tiles;
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
-  // PRIMEMOE_FC1_ACTIVATION=consumers: the consumer warpgroups compute FC1's activation in their epilogue (the
-  // form before activation warps; same bits), for comparisons.
-  const char* activation = std::getenv("PRIMEMOE_FC1_ACTIVATION");
-  params.activation_warps = activation == nullptr || std::string(activation) != "consumers";
+  params.activation_warps = config.activation_warps;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -105,6 +105,8 @@ struct GemmConfig {
   // kRows (gemm_pairs_rows): 2-CTA clusters take row blocks 2q and 2q + 1 of one column tile; where both are one
   // expert's, each CTA loads half of the weight tile and multicasts it to both. With claim_tiles, rank 0 claims pairs.
   bool pair_rows;
+  // FC1 (gemm_activation_warps): two producer warps compute the activation from the consumers' pre-activations.
+  bool activation_warps;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same
@@ -115,8 +117,12 @@ enum class TileOrder { kAuto, kStatic, kClaimed };
 // them (gemm_pairs_rows). Both give the same bits.
 enum class PairRows { kAuto, kOff, kOn };
 
+// Who computes FC1's activation where the variant has activation warps (gemm_activation_warps): those warps (the
+// default), or the consumer warpgroups in their epilogue (comparisons). Both give the same bits.
+enum class Fc1Activation { kWarps, kConsumers };
+
 GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto,
-                              PairRows pairs = PairRows::kAuto);
+                              PairRows pairs = PairRows::kAuto, Fc1Activation activation = Fc1Activation::kWarps);
 
 // The variants built with the claimed tile order. Not a gathered A: its 128 producer threads walk the
 // tiles, one claims. Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
@@ -144,6 +150,14 @@ constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
 // slower at 235B), with more tiles than SMs (fewer leave SMs idle whatever the order). Not under the rows-ready
 // hook: the expert-parallel path has not been measured with pairs.
 bool gemm_pairs_pay(const GroupedGemmArgs& args);
+
+// The variants built with activation warps (GemmConfig::activation_warps): FC1 with a TMA-loaded A (a gathered A
+// takes the whole producer warpgroup). The consumers then hand the pre-activations over and never compute the
+// activation, which measured 3.9% (Qwen3-235B) / 5.9% (Qwen3-30B) of FC1 with the tensor cores idle; FC1 -2.5% /
+// -2.8% back to back on the H200 (benchmarks/RESULTS.md, nineteenth session).
+constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e, bool gather_a) {
+  return s == GemmSchedule::kRows && e == GemmEpilogue::kSwiGLU && !gather_a;
+}
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).
 bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char** why);

@@ -19,7 +19,7 @@ struct GemmParams {
   bool split_half_tiles;  // kRows: a half tile's k-slices alternate between the consumers (GemmConfig)
   bool claim_tiles;       // kRows: tiles claimed from args.tile_counter (GemmConfig)
   bool pair_rows;         // kRows: launched as 2-CTA clusters over pairs of row blocks (GemmConfig)
-  bool activation_warps;  // kSwiGLU: two producer warps compute the activation (PRIMEMOE_FC1_ACTIVATION)
+  bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
 };
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are

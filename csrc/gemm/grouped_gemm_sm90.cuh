@@ -424,8 +424,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   constexpr int kStages = Pipeline<S, E>::kStages;
   constexpr bool kPairs = gemm_pairs_rows(S, BKMajor, GatherA);
   // FC1's activation by two warps of the producer warpgroup (one per consumer warpgroup), off the consumers'
-  // critical path: see the epilogue. Not with a gathered A, whose producer warpgroup gathers.
-  constexpr bool kActWarps = E == GemmEpilogue::kSwiGLU && !GatherA;
+  // critical path: see the epilogue.
+  constexpr bool kActWarps = gemm_activation_warps(S, E, GatherA);
   const bool act_warps = kActWarps && p.activation_warps;
   auto& smem =
       *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
         __syncwarp();
         for (int c = lane; c < 64 * 8; c += 32) {  // 16-byte chunks: 64 rows x 8, swizzled as TMA reads them
-          const uint32_t at = (c / 8) * 128 + (((c % 8) ^ ((c / 8) % 8)) << 4);
+          const uint32_t at = swizzled(c / 8, (c % 8) * 8);
           const uint4 g = ld_shared_v4(gate_box + at);
           const uint4 u = ld_shared_v4(up_box + at);
           auto act = [](uint32_t gv, uint32_t uv) {

@@ -198,6 +198,10 @@ def test_gemm_overrides_are_checked(monkeypatch):
     monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", "yes")
     with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_PAIRS: expected 0 or 1"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    monkeypatch.delenv("PRIMEMOE_GEMM_PAIRS")
+    monkeypatch.setenv("PRIMEMOE_FC1_ACTIVATION", "fast")
+    with pytest.raises(RuntimeError, match="PRIMEMOE_FC1_ACTIVATION: expected warps or consumers"):
+        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
