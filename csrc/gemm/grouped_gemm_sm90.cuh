@@ -767,14 +767,18 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   int32_t held_row0 = 0;
   int32_t held_n_tile = 0;
   bool holding = false;
+  // The thread's part of the staging address, made opaque where it is used: else the compiler hoists all 32
+  // addresses out of the tile loop and holds them through the mainloop, 32 registers it does not have.
+  auto staging_base = [&](uint32_t& at, uint32_t& swizzle) {
+    at = slots + frag_row * 128 + frag_col * 2;
+    swizzle = (frag_row & 7) << 4;
+    asm volatile("" : "+r"(at), "+r"(swizzle));
+  };
   auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t n_tile) {
     constexpr int r = decltype(round)::value;
     staging_acquire(wg, wtid);
-    // The thread's part of the address made opaque here: else the compiler hoists all 32 store addresses out
-    // of the tile loop and holds them through the mainloop, 32 registers it does not have.
-    uint32_t at = slots + frag_row * 128 + frag_col * 2;
-    uint32_t swizzle = (frag_row & 7) << 4;
-    asm volatile("" : "+r"(at), "+r"(swizzle));
+    uint32_t at, swizzle;
+    staging_base(at, swizzle);
     CUTE_UNROLL
     for (int i = 0; i < kHalf; i += 2) {
       const __nv_bfloat162 v = pair(i);
@@ -807,9 +811,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint32_t act_jobs = 0;
   auto submit_job = [&](auto gate_pair, auto up_pair, int32_t rows_at, int32_t col) {
     cutlass::arch::ClusterBarrier::wait(&smem.act_empty[wg], (act_jobs & 1) ^ 1);
-    uint32_t at = slots + frag_row * 128 + frag_col * 2;
-    uint32_t swizzle = (frag_row & 7) << 4;
-    asm volatile("" : "+r"(at), "+r"(swizzle));
+    uint32_t at, swizzle;
+    staging_base(at, swizzle);
     CUTE_UNROLL
     for (int j = 0; j < 32; j += 2) {
       const __nv_bfloat162 g = gate_pair(j);
