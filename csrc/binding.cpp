@@ -670,43 +670,28 @@ GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at
   return g;
 }
 
-// PRIMEMOE_GEMM_TILE_ORDER=static|claimed (unset: the heuristics' choice). Read at every launch, so a process
-// can alternate the orders.
-TileOrder tile_order_from_env() {
-  const char* order = std::getenv("PRIMEMOE_GEMM_TILE_ORDER");
-  if (order == nullptr || *order == '\0') return TileOrder::kAuto;
-  const std::string o(order);
-  PRIMEMOE_CHECK(o == "static" || o == "claimed", "PRIMEMOE_GEMM_TILE_ORDER: expected static or claimed, got '", o,
-                 "'");
-  return o == "static" ? TileOrder::kStatic : TileOrder::kClaimed;
-}
-
-// PRIMEMOE_GEMM_PAIRS=1 / 0: paired row blocks wherever a variant has them (gemm_pairs_rows) / nowhere; unset: the
-// heuristics' choice (gemm_pairs_pay). Read at every launch, as the tile order.
-PairRows pair_rows_from_env() {
-  const char* pairs = std::getenv("PRIMEMOE_GEMM_PAIRS");
-  if (pairs == nullptr || *pairs == '\0') return PairRows::kAuto;
-  const std::string v(pairs);
-  PRIMEMOE_CHECK(v == "0" || v == "1", "PRIMEMOE_GEMM_PAIRS: expected 0 or 1, got '", v, "'");
-  return v == "1" ? PairRows::kOn : PairRows::kOff;
-}
-
-// PRIMEMOE_FC1_ACTIVATION=warps|consumers (unset: warps): who computes FC1's activation. Read at every launch, as
-// the tile order.
-Fc1Activation fc1_activation_from_env() {
-  const char* activation = std::getenv("PRIMEMOE_FC1_ACTIVATION");
-  if (activation == nullptr || *activation == '\0') return Fc1Activation::kWarps;
-  const std::string v(activation);
-  PRIMEMOE_CHECK(v == "warps" || v == "consumers", "PRIMEMOE_FC1_ACTIVATION: expected warps or consumers, got '", v,
-                 "'");
-  return v == "warps" ? Fc1Activation::kWarps : Fc1Activation::kConsumers;
+// A GEMM override from the environment, read at every launch so that a process can alternate the settings: -1
+// where unset or empty, else the index of its value in {first, second}; any other value is an error.
+int gemm_override(const char* name, const char* first, const char* second) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return -1;
+  const std::string v(value);
+  PRIMEMOE_CHECK(v == first || v == second, name, ": expected ", first, " or ", second, ", got '", v, "'");
+  return v == first ? 0 : 1;
 }
 
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
   const char* why = "";
   PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
-  const GemmConfig config =
-      choose_gemm_config(g, tile_order_from_env(), pair_rows_from_env(), fc1_activation_from_env());
+  // Unset, the heuristics' choice of each. PRIMEMOE_GEMM_PAIRS=1 / 0: paired row blocks wherever a variant has them
+  // (gemm_pairs_rows) / nowhere. PRIMEMOE_FC1_ACTIVATION: who computes FC1's activation (unset: warps).
+  const int order = gemm_override("PRIMEMOE_GEMM_TILE_ORDER", "static", "claimed");
+  const int pairs = gemm_override("PRIMEMOE_GEMM_PAIRS", "0", "1");
+  const int activation = gemm_override("PRIMEMOE_FC1_ACTIVATION", "warps", "consumers");
+  const GemmConfig config = choose_gemm_config(
+      g, order < 0 ? TileOrder::kAuto : order == 0 ? TileOrder::kStatic : TileOrder::kClaimed,
+      pairs < 0 ? PairRows::kAuto : pairs == 0 ? PairRows::kOff : PairRows::kOn,
+      activation == 1 ? Fc1Activation::kConsumers : Fc1Activation::kWarps);
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {
