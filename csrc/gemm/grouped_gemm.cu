@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 #include "grouped_gemm_launch.cuh"
 
@@ -183,12 +182,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
-  {  // EXPERIMENT (temporary): A/B switches
-    const char* sw = std::getenv("PRIMEMOE_STORE_WARPS");
-    if (sw != nullptr && sw[0] == '0' && a.epilogue == GemmEpilogue::kStore) params.activation_warps = false;
-    const char* ca = std::getenv("PRIMEMOE_CLAIM_AHEAD");
-    params.claim_ahead = ca != nullptr && ca[0] == '1';
-  }
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -156,7 +156,7 @@ bool gemm_pairs_pay(const GroupedGemmArgs& args);
 // activation, which measured 3.9% (Qwen3-235B) / 5.9% (Qwen3-30B) of FC1 with the tensor cores idle; FC1 -2.5% /
 // -2.8% back to back on the H200 (benchmarks/RESULTS.md, nineteenth session).
 constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e, bool gather_a) {
-  return s == GemmSchedule::kRows && e != GemmEpilogue::kSwiGLUBackward && !gather_a;
+  return s == GemmSchedule::kRows && e == GemmEpilogue::kSwiGLU && !gather_a;
 }
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).

@@ -538,18 +538,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t row0 = smem.act_job[w][0];
         const int32_t col = smem.act_job[w][1];
         if (col < 0) break;
-        if constexpr (E == GemmEpilogue::kStore) {
-          // A plain store: the two boxes are 128 columns of `out`.
-          if (lane == 0) {
-            tma_store(&p.tma_out, gate_box, col, row0);
-            tma_store(&p.tma_out, up_box, col + 64, row0);
-            store_commit();
-            store_wait_read();
-            cutlass::arch::ClusterBarrier::arrive(&smem.act_empty[w]);
-          }
-          __syncwarp();
-          continue;
-        }
         if (lane == 0 && args.out_h != nullptr) {
           tma_store(&p.tma_out2, gate_box, col, row0);
           tma_store(&p.tma_out2, up_box, int32_t(args.n) + col, row0);
@@ -597,7 +585,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     bool peer_stopped = false;
     if constexpr (kPairs)
       peer_stopped = claimed && p.pair_rows && cluster_rank() == 0 && first_tile() + walker.n_tiles >= walker.total;
-    int32_t ahead = 0;  // EXPERIMENT: the next claim, issued when this tile's loads start
     auto claim_next = [&]() -> int64_t {
       if constexpr (kPairs) {
         if (p.pair_rows) {
@@ -605,7 +592,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           const uint32_t parity = (handoffs >> 1) & 1;
           int32_t work;
           if (cluster_rank() == 0) {
-            work = int32_t(gridDim.x / 2) + (p.claim_ahead ? ahead : atomicAdd(args.tile_counter, 1));
+            work = int32_t(gridDim.x / 2) + atomicAdd(args.tile_counter, 1);
             if (!peer_stopped) {
               wait_cluster(&smem.pair_work_empty[slot], parity ^ 1);
               put_remote(&smem.pair_work[slot], &smem.pair_work_full[slot], work, 1);
@@ -622,14 +609,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           return pair_tile(work);
         }
       }
-      return int64_t(gridDim.x) + (p.claim_ahead ? ahead : atomicAdd(args.tile_counter, 1));
+      return int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1);
     };
     for (int64_t t = first_tile();; t = claimed ? claim_next() : next_tile(t)) {
       if (claimed) pass_tile(passed++, t);
       if (t >= walker.total) break;
-      if (claimed && p.claim_ahead && (!(kPairs && p.pair_rows) || cluster_rank() == 0)) {
-        ahead = atomicAdd(args.tile_counter, 1);
-      }
       const Tile tile = walker.at(t);
       // Both CTAs of a pair see that its two blocks are one routed expert's (then they share its weight tile).
       bool shared = false;
@@ -848,7 +832,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   };
   auto submit_held = [&] {
     submit_job([&](int j) { return held[j / 2]; }, [&](int j) { return held[16 + j / 2]; }, held_row0,
-               E == GemmEpilogue::kSwiGLU ? held_n_tile * 128 + 64 : held_n_tile * kGemmTileN + 128);
+               held_n_tile * 128 + 64);
     holding = false;
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
@@ -999,16 +983,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if (!epilogue) continue;
     if constexpr (kDeferred) {
-      auto scaled_pair = [&](int v) {
-        const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
-        return pack(acc(v) * scale, acc(v + 1) * scale);
-      };
-      if (kActWarps && act_warps && E == GemmEpilogue::kStore) {
-        // Column half 0 goes now (its two boxes are values [0, 32) and [32, 64)), half 1 waits in `held`.
-        submit_job(scaled_pair, [&](int j) { return scaled_pair(32 + j); }, row0, tile.n_tile * kGemmTileN);
-        CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
-      } else if (kActWarps && act_warps) {
+      if (kActWarps && act_warps) {
         auto gate = [&](int i) { return pack(acc(i), acc(i + 1)); };
         auto up = [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); };
         submit_job(gate, up, row0, tile.n_tile * 128);
@@ -1030,6 +1005,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           held[i / 2] = pack(silu(g.x) * u.x, silu(g.y) * u.y);
         }
       } else {
+        auto scaled_pair = [&](int v) {
+          const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
+          return pack(acc(v) * scale, acc(v + 1) * scale);
+        };
         store_round(Int<0>{}, scaled_pair, row0, tile.n_tile);
         CUTE_UNROLL
         for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
