@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 #include "grouped_gemm_launch.cuh"
 
@@ -183,10 +182,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
-  {  // EXPERIMENT (temporary): PRIMEMOE_PAIR_RELEASE=direct
-    const char* r = std::getenv("PRIMEMOE_PAIR_RELEASE");
-    params.direct_release = r != nullptr && r[0] == 'd';
-  }
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

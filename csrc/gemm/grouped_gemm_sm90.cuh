@@ -435,9 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     for (int s = 0; s < kStages; ++s) {
       // The TMA thread's arrival, plus one per gathering thread.
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], GatherA ? 129 : 1);
-      // One arrival per consumer warp; EXPERIMENT direct release: also one per warp of the peer's (or, where the pair
-      // is not in step, a second one of this CTA's).
-      cutlass::arch::ClusterBarrier::init(&smem.empty[s], kPairs && p.pair_rows && p.direct_release ? 16 : 8);
+      cutlass::arch::ClusterBarrier::init(&smem.empty[s], 8);  // one arrival per consumer warp
     }
     if constexpr (gemm_claims_tiles(S, E, GatherA)) {
       for (int s = 0; s < 2; ++s) {
@@ -499,21 +497,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
     }
     return t + gridDim.x;
-  };
-  // EXPERIMENT direct release. Paired: whether both blocks of the pair have k-slices, so that the two CTAs step
-  // through their rings together (routed blocks come first: rank 1's being routed makes rank 0's routed too). Both
-  // CTAs decide alike, each from its own walker just past walker.at(t).
-  auto pair_in_step = [&](int64_t t, const Tile& tile) {
-    if constexpr (kPairs) {
-      if (p.pair_rows && tile.expert < args.num_experts) {
-        if (cluster_rank() == 1) return true;
-        const int32_t block = int32_t(t / walker.n_tiles);
-        const int32_t next = args.expert_offsets[tile.expert + 1];
-        return block + 1 < walker.expert_block + walker.blocks(next - args.expert_offsets[tile.expert]) ||
-               next < walker.routed_rows;
-      }
-    }
-    return false;
   };
   // The claimed index goes from the producer to the consumers through a two-slot ring: the n-th tile
   // uses slot n % 2 at parity n / 2 % 2 (the index past the last tile, too, so that everyone stops).
@@ -666,7 +649,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
         cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], pos.phase ^ 1);
-        if (shared && !p.direct_release) {
+        if (shared) {
           // The peer's stage is written too: its consumers must be done with it as well. Each producer arrives on the
           // other's pair_empty once its own consumers are, so a stage's next use waits for this one's on both sides.
           arrive_remote(&smem.pair_empty[stage], cluster_rank() ^ 1);
@@ -720,14 +703,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
     }
     if constexpr (kPairs) {
-      // EXPERIMENT direct release: the peer's consumers arrive on this CTA's empty barriers, so it leaves only once
-      // every stage's last use is released (no arrival may find it gone).
-      if (p.pair_rows && p.direct_release) {
-        for (int i = 0; i < kStages; ++i) {
-          cutlass::arch::ClusterBarrier::wait(&smem.empty[pos.stage], pos.phase ^ 1);
-          pos.step(1);
-        }
-      }
       // Rank 1 gives back every handoff but the last; the one before the last is waited for by no later handoff,
       // and rank 1's arrival on it must not find this CTA gone.
       if (claimed && p.pair_rows && cluster_rank() == 0 && handoffs >= 2) {
@@ -761,22 +736,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   // A stage goes back to the producer with one arrival per warp, once the warp's wgmma reading it
   // are done; `count` 2 in a split half tile, whose stages only one warpgroup reads.
-  // EXPERIMENT direct release: bits 16 and up of `arrivals` name the CTA that gets the second arrival (the peer where
-  // the pair is in step, else this one), bits 0-15 the count.
-  auto release = [&](int s, uint32_t arrivals) {
+  auto release = [&](int s, uint32_t count) {
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
-      const uint32_t count = arrivals & 0xffff;
       asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&smem.empty[s])), "r"(count)
                    : "memory");
-      if constexpr (kPairs) {
-        if (p.pair_rows && p.direct_release) {
-          asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0], %1;" ::"r"(
-                           cluster_addr(&smem.empty[s], arrivals >> 16)),
-                       "r"(count)
-                       : "memory");
-        }
-      }
     }
   };
   const int64_t n = args.n;
@@ -926,12 +890,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     if (tile.k_tiles == 0) clear(acc);
     const int32_t kt_first = split ? wg : 0;
     const int32_t kt_step = split ? 2 : 1;
-    uint32_t arrivals = split ? 2 : 1;
-    if constexpr (kPairs) {
-      if (p.pair_rows && p.direct_release) {
-        arrivals |= (pair_in_step(t, tile) ? cluster_rank() ^ 1 : cluster_rank()) << 16;
-      }
-    }
+    const uint32_t arrivals = split ? 2 : 1;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
     RingPos<kStages> pos = ring;

@@ -130,11 +130,10 @@ def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, o
                                "the activation warps")
 
 
-@pytest.mark.parametrize("release", ["hop", "direct"])  # EXPERIMENT (temporary)
 @pytest.mark.parametrize("order", ["static", "claimed"])
 @pytest.mark.parametrize("counts", [[300, 0, 1, 700, 129, 64, 1000, 63] * 2, [64, 64, 64], [1], [0, 0, 5000, 0]])
 @pytest.mark.parametrize("hidden, inter", [(2048, 1536), (2304, 1408)])
-def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, inter, order, release):
+def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, inter, order):
     """2-CTA clusters over pairs of row blocks that share the weight tile by multicast where both blocks are one
     expert's (PRIMEMOE_GEMM_PAIRS=1), placed statically or claimed (rank 0 claims, passes the pair to rank 1),
     against unpaired tiles: bitwise equal on the variants built with pairs (FC1, FC2), with pairs inside and
@@ -147,7 +146,6 @@ def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, i
         "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
     }
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    monkeypatch.setenv("PRIMEMOE_PAIR_RELEASE", release)
     before = ops.paired_gemm_launches(torch.cuda.current_device())
     assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", "1", ops_under_test, "paired row blocks")
     assert ops.paired_gemm_launches(torch.cuda.current_device()) == before + len(ops_under_test), \
