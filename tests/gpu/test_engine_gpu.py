@@ -364,14 +364,3 @@ def test_rows_ready_arguments_are_checked():
         ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(3, dtype=torch.int64, device="cuda"), epoch, 1, 0)
     with pytest.raises(RuntimeError, match="epoch: required with rows_ready"):
         ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(2, dtype=torch.int64, device="cuda"), None, 1, 0)
-
-
-@pytest.mark.parametrize("variable", ["PRIMEMOE_H_EVICT_FIRST", "PRIMEMOE_WGRAD_EVICT_FIRST"])
-def test_evict_first_stores_give_the_same_bits(monkeypatch, variable):  # EXPERIMENT (temporary)
-    gpu = engine_operands([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2048, 1536, seed=21, device="cuda")
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
-        "wgrad": lambda: (ops.expert_wgrad(gpu.h, gpu.xs, gpu.offsets, gpu.counts),),
-    }
-    assert_same_bits_under_env(monkeypatch, variable, "0", "1", ops_under_test, variable)
