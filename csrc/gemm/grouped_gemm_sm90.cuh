@@ -449,8 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if constexpr (kActWarps) {
       for (int w = 0; w < 2; ++w) {
-        // EXPERIMENT: every thread of the consumer warpgroup, or (warp_arrivals) lane 0 of each of its warps
-        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], p.warp_arrivals ? 4 : 128);
+        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 128);  // every thread of the consumer warpgroup
         cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], 1);   // the activation warp's lane 0
       }
     }
@@ -828,12 +827,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       asm volatile("" ::: "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (p.warp_arrivals) {  // EXPERIMENT: the warp's writes ordered before its lane 0's arrival
-      __syncwarp();
-      if (wtid % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
-    } else {
-      cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
-    }
+    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
     ++act_jobs;
   };
   auto submit_held = [&] {
@@ -1085,7 +1079,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       smem.act_job[wg][1] = -1;
       asm volatile("" ::: "memory");
     }
-    if (!p.warp_arrivals || wtid % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
+    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
   } else if (kDeferred && holding) {
     store_held();
   }

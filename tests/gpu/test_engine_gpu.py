@@ -364,16 +364,3 @@ def test_rows_ready_arguments_are_checked():
         ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(3, dtype=torch.int64, device="cuda"), epoch, 1, 0)
     with pytest.raises(RuntimeError, match="epoch: required with rows_ready"):
         ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(2, dtype=torch.int64, device="cuda"), None, 1, 0)
-
-
-@pytest.mark.parametrize("pairs", ["0", "1"])
-def test_activation_warp_arrivals_give_the_same_bits(monkeypatch, pairs):  # EXPERIMENT (temporary)
-    gpu = engine_operands([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 1408, seed=22, device="cuda")
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
-    }
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_ACT_WARP_ARRIVALS", "0", "1", ops_under_test,
-                               "per-warp arrivals")
-
