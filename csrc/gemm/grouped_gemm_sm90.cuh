@@ -291,17 +291,7 @@ __device__ __forceinline__ __nv_bfloat162 get_pair(uint32_t slots, int box, int 
 
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
 
-__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1,
-                                          bool evict_first) {
-  if (evict_first) {  // EXPERIMENT: lines no kernel right after reads (h, the weight gradients) first out of L2
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], %5;"
-                 :
-                 : "l"(map), "r"(src), "r"(c0), "r"(c1), "r"(0), "l"(policy)
-                 : "memory");
-    return;
-  }
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
                :
                : "l"(map), "r"(src), "r"(c0), "r"(c1), "r"(0)
@@ -459,8 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if constexpr (kActWarps) {
       for (int w = 0; w < 2; ++w) {
-        // EXPERIMENT: every thread of the consumer warpgroup, or (warp_arrivals) lane 0 of each of its warps
-        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], p.warp_arrivals ? 4 : 128);
+        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 128);  // every thread of the consumer warpgroup
         cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], 1);   // the activation warp's lane 0
       }
     }
@@ -550,8 +539,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t col = smem.act_job[w][1];
         if (col < 0) break;
         if (lane == 0 && args.out_h != nullptr) {
-          tma_store(&p.tma_out2, gate_box, col, row0, p.h_evict_first);
-          tma_store(&p.tma_out2, up_box, int32_t(args.n) + col, row0, p.h_evict_first);
+          tma_store(&p.tma_out2, gate_box, col, row0);
+          tma_store(&p.tma_out2, up_box, int32_t(args.n) + col, row0);
           store_commit();
           store_wait_read();
         }
@@ -571,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncwarp();
         if (lane == 0) {
-          tma_store(&p.tma_out, gate_box, col, row0, false);
+          tma_store(&p.tma_out, gate_box, col, row0);
           store_commit();
           store_wait_read();
           cutlass::arch::ClusterBarrier::arrive(&smem.act_empty[w]);
@@ -801,11 +790,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const uint32_t box = slots + b * kBoxBytes;
         if constexpr (E == GemmEpilogue::kSwiGLU) {
           // h: the gate half at column n_tile * 128, the up half n columns further; a: n_tile * 128.
-          tma_store(r == 2 ? &p.tma_out : &p.tma_out2, box, int32_t(n) * (r % 2) + n_tile * 128 + 64 * b, rows_at,
-                    r < 2 && p.h_evict_first);
+          tma_store(r == 2 ? &p.tma_out : &p.tma_out2, box, int32_t(n) * (r % 2) + n_tile * 128 + 64 * b, rows_at);
         } else {
-          tma_store(&p.tma_out, box, n_tile * kGemmTileN + 128 * r + 64 * b, rows_at,
-                    S == GemmSchedule::kExperts && p.wgrad_evict_first);
+          tma_store(&p.tma_out, box, n_tile * kGemmTileN + 128 * r + 64 * b, rows_at);
         }
       }
       store_commit();
@@ -840,12 +827,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       asm volatile("" ::: "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (p.warp_arrivals) {  // EXPERIMENT: the warp's writes ordered before its lane 0's arrival
-      __syncwarp();
-      if (wtid % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
-    } else {
-      cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
-    }
+    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
     ++act_jobs;
   };
   auto submit_held = [&] {
@@ -1072,9 +1054,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
         staging_release(wg);
         if (wtid == 0) {
-          tma_store(&p.tma_out2, slots, col0, row0, false);
-          tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0, false);
-          tma_store(&p.tma_out, slots + 2 * kBoxBytes, col0, row0, false);
+          tma_store(&p.tma_out2, slots, col0, row0);
+          tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0);
+          tma_store(&p.tma_out, slots + 2 * kBoxBytes, col0, row0);
           store_commit();
         }
       }
@@ -1097,7 +1079,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       smem.act_job[wg][1] = -1;
       asm volatile("" ::: "memory");
     }
-    if (!p.warp_arrivals || wtid % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
+    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
   } else if (kDeferred && holding) {
     store_held();
   }
