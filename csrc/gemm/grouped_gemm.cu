@@ -193,9 +193,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
     const char* w = std::getenv("PRIMEMOE_ACT_WARP_ARRIVALS");
     params.warp_arrivals = w != nullptr && w[0] == '1';
   }
-  {  // EXPERIMENT (temporary): PRIMEMOE_HALVES_LAST=1 (every half block after the full ones) or 2 (paired in place)
+  {  // EXPERIMENT (temporary): PRIMEMOE_HALVES_LAST=1
     const char* h = std::getenv("PRIMEMOE_HALVES_LAST");
-    params.halves_order = h != nullptr && (h[0] == '1' || h[0] == '2') ? h[0] - '0' : 0;
+    params.halves_last = h != nullptr && h[0] == '1';
   }
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);

@@ -23,7 +23,7 @@ struct GemmParams {
   bool h_evict_first;      // EXPERIMENT: FC1's h stores with an L2 evict_first policy
   bool wgrad_evict_first;  // EXPERIMENT: the weight gradients' stores with an L2 evict_first policy
   bool warp_arrivals;     // EXPERIMENT: one act_full arrival per consumer warp instead of per thread
-  int32_t halves_order;   // EXPERIMENT: kRows half blocks 0 in place, 1 after every full block, 2 paired in place
+  bool halves_last;       // EXPERIMENT: kRows walks every expert's full row blocks first, the half blocks after
 };
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are

@@ -357,9 +357,7 @@ struct Tile {
 // when its padded count is an odd multiple of 64). `at` only moves its expert cursor forward:
 // each CTA must ask for increasing tile indices (both tile orders do).
 // kExperts: (expert, row tile, column tile), so neighbouring CTAs share an expert's operands in L2.
-// EXPERIMENT: kHalvesPaired builds the halves-paired walk (the variants with paired row blocks; elsewhere its
-// registers made ptxas spill).
-template <GemmSchedule S, GemmEpilogue E, bool kHalvesPaired = false>
+template <GemmSchedule S, GemmEpilogue E>
 struct TileWalker {
   const GroupedGemmArgs& args;
   int32_t n_tiles;
@@ -371,31 +369,11 @@ struct TileWalker {
   // EXPERIMENT (halves last): the number of 128-row blocks of all experts, which come first; then each expert's
   // 64-row half block, then the unrouted rows. -1: each expert's half block follows its full ones.
   int32_t full_blocks = -1;
-  // EXPERIMENT (halves paired): -2 off; else the expert whose half block waits for another half to pair with at the
-  // start of `expert`'s blocks (-1: none). See emission().
-  int32_t pending = -2;
   bool split_halves;         // GemmConfig::split_half_tiles, where the ring depth allows it
-
-  // EXPERIMENT (halves paired): the blocks of `expert`, given `expert_block` and `pending`. Its full blocks in order,
-  // with nh half blocks inserted at offset ins: none; or the pending half and this expert's, so that the two are a
-  // pair (2q, 2q + 1), after its last full block or, where that position is odd, before it; or (an expert of one
-  // half block at an odd position) the pending half alone, this expert's then pending.
-  struct Emission {
-    int32_t full, ins, nh, len, next_pending;
-  };
-  __device__ Emission emission() const {
-    const int32_t rows = args.expert_offsets[expert + 1] - args.expert_offsets[expert];
-    const int32_t f = rows / kGemmTileM;
-    if (rows % kGemmTileM == 0) return {f, f, 0, f, pending};
-    if (pending < 0) return {f, f, 0, f, expert};
-    if ((expert_block + f) % 2 == 0) return {f, f, 2, f + 2, -1};
-    if (f >= 1) return {f, f - 1, 2, f + 2, -1};
-    return {0, 0, 1, 1, expert};
-  }
 
   __device__ static int32_t blocks(int32_t rows) { return (rows + kGemmTileM - 1) / kGemmTileM; }
 
-  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles, int32_t halves_order)
+  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles, bool halves_last)
       : args(a), split_halves(Pipeline<S, E>::kSplitHalves && split_half_tiles) {
     n_tiles = a.n / gemm_tile_n(E);
     if constexpr (S == GemmSchedule::kRows) {
@@ -405,8 +383,7 @@ struct TileWalker {
       int64_t row_blocks = 0;
       for (int32_t e = 0; e < a.num_experts; ++e) row_blocks += blocks(a.expert_offsets[e + 1] - a.expert_offsets[e]);
       routed_rows = a.expert_offsets[a.num_experts];
-      if (kHalvesPaired && halves_order == 2) pending = -1;
-      if (halves_order == 1) {
+      if (halves_last) {
         full_blocks = 0;
         for (int32_t e = 0; e < a.num_experts; ++e) {
           full_blocks += (a.expert_offsets[e + 1] - a.expert_offsets[e]) / kGemmTileM;
@@ -426,29 +403,6 @@ struct TileWalker {
     if constexpr (S == GemmSchedule::kRows) {
       const int32_t block = int32_t(t / n_tiles);
       const int32_t n_tile = int32_t(t % n_tiles);
-      if (kHalvesPaired && pending >= -1) {
-        const int32_t k_tiles = args.k / kGemmTileK;
-        while (expert < args.num_experts) {
-          const Emission m = emission();
-          if (block < expert_block + m.len) break;
-          expert_block += m.len;
-          pending = m.next_pending;
-          ++expert;
-        }
-        auto half_of = [&](int32_t e) -> Tile {
-          return {e, args.expert_offsets[e + 1] - kGemmRowAlign, n_tile, 0, k_tiles, kGemmRowAlign, split_halves};
-        };
-        if (expert == args.num_experts) {  // the last pending half, then the rows past the routed ones
-          const int32_t tail = pending >= 0 ? 1 : 0;
-          if (block < expert_block + tail) return half_of(pending);
-          return {expert, routed_rows + (block - expert_block - tail) * kGemmTileM, n_tile, 0, 0, kGemmTileM, false};
-        }
-        const Emission m = emission();
-        const int32_t o = block - expert_block;
-        if (o >= m.ins && o < m.ins + m.nh) return half_of(o == m.ins ? pending : expert);
-        return {expert, args.expert_offsets[expert] + (o < m.ins ? o : o - m.nh) * kGemmTileM, n_tile, 0, k_tiles,
-                kGemmTileM, false};
-      }
       if (full_blocks >= 0) {
         const int32_t k_tiles = args.k / kGemmTileK;
         if (block < full_blocks) {
@@ -506,13 +460,6 @@ struct TileWalker {
   // last, only full blocks pair up (an expert has at most one half block).
   __device__ bool pair_shares(int32_t block, int32_t tile_expert, uint32_t rank) const {
     if (tile_expert >= args.num_experts) return false;
-    if (kHalvesPaired && pending >= -1) {  // halves paired: both blocks full ones of the cursor's expert
-      if (expert >= args.num_experts) return false;
-      const Emission m = emission();
-      auto full = [&](int32_t o) { return o >= 0 && o < m.len && !(o >= m.ins && o < m.ins + m.nh); };
-      const int32_t o = block - expert_block;
-      return full(o) && full(rank == 0 ? o + 1 : o - 1);
-    }
     if (full_blocks >= 0 && block >= full_blocks) return false;
     const int32_t rows = args.expert_offsets[tile_expert + 1] - args.expert_offsets[tile_expert];
     const int32_t b = full_blocks >= 0 ? rows / kGemmTileM : blocks(rows);
@@ -582,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     __syncthreads();
   }
 
-  TileWalker<S, E, gemm_pairs_rows(S, BKMajor, GatherA)> walker(args, p.split_half_tiles, p.halves_order);
+  TileWalker<S, E> walker(args, p.split_half_tiles, p.halves_last);
   // Tile order: every grid-th tile (static), or claimed from a global counter as the producer gets to
   // it (GemmConfig::claim_tiles), which keeps CTAs near each other in the tile sequence when tiles
   // differ in length. Both give the same bits: a tile's result does not depend on which CTA
