@@ -1,7 +1,8 @@
 // Where the forward's row gather stands against the memory system's ceilings (it moves ~3 TB/s at Qwen3-235B
 // T = 8192 against ~4.3 TB/s for a device copy; why is not known). Standalone, no torch: the layer's gather
 // (csrc/kernels/row_ops.cu, compiled in: a token per warp, each x row read once and written to its K rows, padding
-// rows zeroed after) against other ways to move the same bytes, timed with an L2 flush before every run:
+// rows zeroed after) against other ways to move the same bytes, timed with an L2 flush before every run. The rows
+// are laid out by the layer's dispatch_layout kernel (compiled in as well) from uniform top-K routing:
 //   gather   the layer's gather_rows
 //   rows     a destination row per warp, rows in order: sequential writes, each x row read K times (checked against
 //            gather bit for bit, after a poisoned start)
@@ -18,6 +19,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "kernels/dispatch_layout.cu"
 #include "kernels/row_ops.cu"
 
 #define CHECK(call)                                                                   \
@@ -88,9 +90,8 @@ struct Shape {
   int64_t tokens;
 };
 
-// Routing as the benchmark's inputs make it (K distinct experts per token, uniformly), laid out as
-// dispatch_layout does: expert-major rows, each expert's slots in token order, counts padded to 64 rows.
-void make_layout(const Shape& s, std::vector<int32_t>& slot_to_row, std::vector<int32_t>& row_to_slot) {
+// Routing as the benchmark's inputs make it: K distinct experts per token, uniformly.
+std::vector<int32_t> route(const Shape& s) {
   uint64_t state = 0x9e3779b97f4a7c15ull;
   auto next = [&state] {
     state ^= state << 13;
@@ -108,17 +109,7 @@ void make_layout(const Shape& s, std::vector<int32_t>& slot_to_row, std::vector<
       expert_of[t * s.top_k + k] = perm[k];
     }
   }
-  std::vector<int64_t> count(s.experts, 0), offset(s.experts + 1, 0);
-  for (int32_t e : expert_of) ++count[e];
-  for (int e = 0; e < s.experts; ++e) offset[e + 1] = offset[e] + (count[e] + 63) / 64 * 64;
-  row_to_slot.assign(offset[s.experts], -1);
-  slot_to_row.assign(expert_of.size(), -1);
-  std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
-  for (int64_t slot = 0; slot < int64_t(expert_of.size()); ++slot) {
-    const int64_t row = fill[expert_of[slot]]++;
-    row_to_slot[row] = int32_t(slot);
-    slot_to_row[slot] = int32_t(row);
-  }
+  return expert_of;
 }
 
 int main() {
@@ -136,10 +127,28 @@ int main() {
   // GB: the bytes a gather must move at least (x read once, its rows written); rows reads x K times.
   std::printf("%-16s %6s %-9s %9s %9s %8s  %s\n", "shape", "T", "variant", "ms", "GB", "TB/s", "check");
   for (const Shape& s : shapes) {
-    std::vector<int32_t> slot_to_row, row_to_slot;
-    make_layout(s, slot_to_row, row_to_slot);
+    // The layer's layout kernel (dispatch_layout, row alignment 64): rows of each expert in slot order.
+    const std::vector<int32_t> ids = route(s);
+    const int64_t slots = int64_t(ids.size());
+    const int64_t max_rows = primemoe::layout_max_rows(slots, s.experts, 64);
+    int32_t *ids_dev, *counts, *offsets, *s2r, *r2s, *workspace;
+    primemoe::ErrorRecord* error;
+    CHECK(cudaMalloc(&ids_dev, slots * 4));
+    CHECK(cudaMalloc(&counts, s.experts * 4));
+    CHECK(cudaMalloc(&offsets, (s.experts + 1) * 4));
+    CHECK(cudaMalloc(&s2r, slots * 4));
+    CHECK(cudaMalloc(&r2s, max_rows * 4));
+    CHECK(cudaMalloc(&workspace, primemoe::layout_workspace_ints(slots, s.experts) * 4));
+    CHECK(cudaMalloc(&error, sizeof(primemoe::ErrorRecord)));
+    CHECK(cudaMemset(error, 0, sizeof(primemoe::ErrorRecord)));
+    CHECK(cudaMemcpy(ids_dev, ids.data(), slots * 4, cudaMemcpyHostToDevice));
+    primemoe::DispatchLayoutArgs layout{ids_dev, false, slots, s.top_k, s.experts, 0, s.experts, 64, counts, offsets,
+                                        s2r, r2s, nullptr, workspace, error};
+    CHECK(primemoe::launch_dispatch_layout(layout, nullptr));
+    int32_t routed_rows = 0;
+    CHECK(cudaMemcpy(&routed_rows, offsets + s.experts, 4, cudaMemcpyDeviceToHost));
     const int vecs = s.hidden / 8;
-    const int64_t rows = int64_t(row_to_slot.size());
+    const int64_t rows = routed_rows;
     const size_t x_bytes = size_t(s.tokens) * s.hidden * 2, dst_bytes = size_t(rows) * s.hidden * 2;
     const size_t replica_bytes = x_bytes * s.top_k;
     std::vector<uint16_t> x_host(size_t(s.tokens) * s.hidden);
@@ -149,16 +158,11 @@ int main() {
       v = uint16_t(0x3c00 | ((st >> 33) & 0x3ff)) ^ uint16_t((st >> 50) & 0x8000);  // finite, never zero
     }
     uint4 *x, *dst, *ref, *replicas;
-    int32_t *s2r, *r2s;
     CHECK(cudaMalloc(&x, x_bytes));
     CHECK(cudaMalloc(&dst, dst_bytes));
     CHECK(cudaMalloc(&ref, dst_bytes));
     CHECK(cudaMalloc(&replicas, replica_bytes));
-    CHECK(cudaMalloc(&s2r, slot_to_row.size() * 4));
-    CHECK(cudaMalloc(&r2s, row_to_slot.size() * 4));
     CHECK(cudaMemcpy(x, x_host.data(), x_bytes, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(s2r, slot_to_row.data(), slot_to_row.size() * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(r2s, row_to_slot.data(), row_to_slot.size() * 4, cudaMemcpyHostToDevice));
     Problem p{x, dst, s2r, r2s, s.tokens, rows, vecs, s.top_k};
     primemoe::GatherRowsArgs g{};
     g.src = x;
@@ -225,8 +229,11 @@ int main() {
     CHECK(cudaFree(dst));
     CHECK(cudaFree(ref));
     CHECK(cudaFree(replicas));
-    CHECK(cudaFree(s2r));
-    CHECK(cudaFree(r2s));
+    for (void* ptr : {static_cast<void*>(ids_dev), static_cast<void*>(counts), static_cast<void*>(offsets),
+                      static_cast<void*>(s2r), static_cast<void*>(r2s), static_cast<void*>(workspace),
+                      static_cast<void*>(error)}) {
+      CHECK(cudaFree(ptr));
+    }
   }
   return 0;
 }
