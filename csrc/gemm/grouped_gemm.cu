@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 #include "grouped_gemm_launch.cuh"
 
@@ -183,20 +182,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
-  {  // EXPERIMENT (temporary): PRIMEMOE_H_EVICT_FIRST=1, PRIMEMOE_WGRAD_EVICT_FIRST=1
-    const char* h = std::getenv("PRIMEMOE_H_EVICT_FIRST");
-    params.h_evict_first = h != nullptr && h[0] == '1';
-    const char* w = std::getenv("PRIMEMOE_WGRAD_EVICT_FIRST");
-    params.wgrad_evict_first = w != nullptr && w[0] == '1';
-  }
-  {  // EXPERIMENT (temporary): PRIMEMOE_ACT_WARP_ARRIVALS=1
-    const char* w = std::getenv("PRIMEMOE_ACT_WARP_ARRIVALS");
-    params.warp_arrivals = w != nullptr && w[0] == '1';
-  }
-  {  // EXPERIMENT (temporary): PRIMEMOE_HALVES_LAST=1 (every half block after the full ones) or 2 (paired in place)
-    const char* h = std::getenv("PRIMEMOE_HALVES_LAST");
-    params.halves_order = h != nullptr && (h[0] == '1' || h[0] == '2') ? h[0] - '0' : 0;
-  }
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

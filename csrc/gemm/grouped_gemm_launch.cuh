@@ -20,10 +20,6 @@ struct GemmParams {
   bool claim_tiles;       // kRows: tiles claimed from args.tile_counter (GemmConfig)
   bool pair_rows;         // kRows: launched as 2-CTA clusters over pairs of row blocks (GemmConfig)
   bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
-  bool h_evict_first;      // EXPERIMENT: FC1's h stores with an L2 evict_first policy
-  bool wgrad_evict_first;  // EXPERIMENT: the weight gradients' stores with an L2 evict_first policy
-  bool warp_arrivals;     // EXPERIMENT: one act_full arrival per consumer warp instead of per thread
-  int32_t halves_order;   // EXPERIMENT: kRows half blocks 0 in place, 1 after every full block, 2 paired in place
 };
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are

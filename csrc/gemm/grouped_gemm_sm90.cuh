@@ -291,17 +291,7 @@ __device__ __forceinline__ __nv_bfloat162 get_pair(uint32_t slots, int box, int 
 
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
 
-__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1,
-                                          bool evict_first) {
-  if (evict_first) {  // EXPERIMENT: lines no kernel right after reads (h, the weight gradients) first out of L2
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], %5;"
-                 :
-                 : "l"(map), "r"(src), "r"(c0), "r"(c1), "r"(0), "l"(policy)
-                 : "memory");
-    return;
-  }
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
                :
                : "l"(map), "r"(src), "r"(c0), "r"(c1), "r"(0)
@@ -357,9 +347,7 @@ struct Tile {
 // when its padded count is an odd multiple of 64). `at` only moves its expert cursor forward:
 // each CTA must ask for increasing tile indices (both tile orders do).
 // kExperts: (expert, row tile, column tile), so neighbouring CTAs share an expert's operands in L2.
-// EXPERIMENT: kHalvesPaired builds the halves-paired walk (the variants with paired row blocks; elsewhere its
-// registers made ptxas spill).
-template <GemmSchedule S, GemmEpilogue E, bool kHalvesPaired = false>
+template <GemmSchedule S, GemmEpilogue E>
 struct TileWalker {
   const GroupedGemmArgs& args;
   int32_t n_tiles;
@@ -368,34 +356,11 @@ struct TileWalker {
   int32_t routed_rows = 0;
   int32_t expert = 0;
   int32_t expert_block = 0;  // kRows: index of the first row block of `expert`
-  // EXPERIMENT (halves last): the number of 128-row blocks of all experts, which come first; then each expert's
-  // 64-row half block, then the unrouted rows. -1: each expert's half block follows its full ones.
-  int32_t full_blocks = -1;
-  // EXPERIMENT (halves paired): -2 off; else the expert whose half block waits for another half to pair with at the
-  // start of `expert`'s blocks (-1: none). See emission().
-  int32_t pending = -2;
   bool split_halves;         // GemmConfig::split_half_tiles, where the ring depth allows it
-
-  // EXPERIMENT (halves paired): the blocks of `expert`, given `expert_block` and `pending`. Its full blocks in order,
-  // with nh half blocks inserted at offset ins: none; or the pending half and this expert's, so that the two are a
-  // pair (2q, 2q + 1), after its last full block or, where that position is odd, before it; or (an expert of one
-  // half block at an odd position) the pending half alone, this expert's then pending.
-  struct Emission {
-    int32_t full, ins, nh, len, next_pending;
-  };
-  __device__ Emission emission() const {
-    const int32_t rows = args.expert_offsets[expert + 1] - args.expert_offsets[expert];
-    const int32_t f = rows / kGemmTileM;
-    if (rows % kGemmTileM == 0) return {f, f, 0, f, pending};
-    if (pending < 0) return {f, f, 0, f, expert};
-    if ((expert_block + f) % 2 == 0) return {f, f, 2, f + 2, -1};
-    if (f >= 1) return {f, f - 1, 2, f + 2, -1};
-    return {0, 0, 1, 1, expert};
-  }
 
   __device__ static int32_t blocks(int32_t rows) { return (rows + kGemmTileM - 1) / kGemmTileM; }
 
-  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles, int32_t halves_order)
+  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles)
       : args(a), split_halves(Pipeline<S, E>::kSplitHalves && split_half_tiles) {
     n_tiles = a.n / gemm_tile_n(E);
     if constexpr (S == GemmSchedule::kRows) {
@@ -405,13 +370,6 @@ struct TileWalker {
       int64_t row_blocks = 0;
       for (int32_t e = 0; e < a.num_experts; ++e) row_blocks += blocks(a.expert_offsets[e + 1] - a.expert_offsets[e]);
       routed_rows = a.expert_offsets[a.num_experts];
-      if (kHalvesPaired && halves_order == 2) pending = -1;
-      if (halves_order == 1) {
-        full_blocks = 0;
-        for (int32_t e = 0; e < a.num_experts; ++e) {
-          full_blocks += (a.expert_offsets[e + 1] - a.expert_offsets[e]) / kGemmTileM;
-        }
-      }
       const int64_t rows = a.skip_unrouted_rows ? min(int64_t(routed_rows), a.num_rows) : a.num_rows;
       row_blocks += (max(rows - routed_rows, int64_t(0)) + kGemmTileM - 1) / kGemmTileM;
       total = row_blocks * n_tiles;
@@ -426,57 +384,6 @@ struct TileWalker {
     if constexpr (S == GemmSchedule::kRows) {
       const int32_t block = int32_t(t / n_tiles);
       const int32_t n_tile = int32_t(t % n_tiles);
-      if (kHalvesPaired && pending >= -1) {
-        const int32_t k_tiles = args.k / kGemmTileK;
-        while (expert < args.num_experts) {
-          const Emission m = emission();
-          if (block < expert_block + m.len) break;
-          expert_block += m.len;
-          pending = m.next_pending;
-          ++expert;
-        }
-        auto half_of = [&](int32_t e) -> Tile {
-          return {e, args.expert_offsets[e + 1] - kGemmRowAlign, n_tile, 0, k_tiles, kGemmRowAlign, split_halves};
-        };
-        if (expert == args.num_experts) {  // the last pending half, then the rows past the routed ones
-          const int32_t tail = pending >= 0 ? 1 : 0;
-          if (block < expert_block + tail) return half_of(pending);
-          return {expert, routed_rows + (block - expert_block - tail) * kGemmTileM, n_tile, 0, 0, kGemmTileM, false};
-        }
-        const Emission m = emission();
-        const int32_t o = block - expert_block;
-        if (o >= m.ins && o < m.ins + m.nh) return half_of(o == m.ins ? pending : expert);
-        return {expert, args.expert_offsets[expert] + (o < m.ins ? o : o - m.nh) * kGemmTileM, n_tile, 0, k_tiles,
-                kGemmTileM, false};
-      }
-      if (full_blocks >= 0) {
-        const int32_t k_tiles = args.k / kGemmTileK;
-        if (block < full_blocks) {
-          while (expert < args.num_experts) {
-            const int32_t b = (args.expert_offsets[expert + 1] - args.expert_offsets[expert]) / kGemmTileM;
-            if (block < expert_block + b) break;
-            expert_block += b;
-            ++expert;
-          }
-          return {expert, args.expert_offsets[expert] + (block - expert_block) * kGemmTileM, n_tile, 0, k_tiles,
-                  kGemmTileM, false};
-        }
-        if (expert_block < full_blocks) {  // into the half blocks: the cursor starts again at expert 0
-          expert = 0;
-          expert_block = full_blocks;
-        }
-        while (expert < args.num_experts) {
-          const int32_t h = (args.expert_offsets[expert + 1] - args.expert_offsets[expert]) % kGemmTileM != 0;
-          if (block < expert_block + h) break;
-          expert_block += h;
-          ++expert;
-        }
-        if (expert == args.num_experts) {
-          return {expert, routed_rows + (block - expert_block) * kGemmTileM, n_tile, 0, 0, kGemmTileM, false};
-        }
-        return {expert, args.expert_offsets[expert + 1] - kGemmRowAlign, n_tile, 0, k_tiles, kGemmRowAlign,
-                split_halves};
-      }
       while (expert < args.num_experts) {
         const int32_t b = blocks(args.expert_offsets[expert + 1] - args.expert_offsets[expert]);
         if (block < expert_block + b) break;
@@ -499,24 +406,6 @@ struct TileWalker {
               false};
     }
     return tile;
-  }
-
-  // kRows, paired (the cursor just past at(t) for `block`): whether the pair's other block (rank 0: block + 1,
-  // rank 1: block - 1) is a block of the same routed expert, so that the two share its weight tile. With the halves
-  // last, only full blocks pair up (an expert has at most one half block).
-  __device__ bool pair_shares(int32_t block, int32_t tile_expert, uint32_t rank) const {
-    if (tile_expert >= args.num_experts) return false;
-    if (kHalvesPaired && pending >= -1) {  // halves paired: both blocks full ones of the cursor's expert
-      if (expert >= args.num_experts) return false;
-      const Emission m = emission();
-      auto full = [&](int32_t o) { return o >= 0 && o < m.len && !(o >= m.ins && o < m.ins + m.nh); };
-      const int32_t o = block - expert_block;
-      return full(o) && full(rank == 0 ? o + 1 : o - 1);
-    }
-    if (full_blocks >= 0 && block >= full_blocks) return false;
-    const int32_t rows = args.expert_offsets[tile_expert + 1] - args.expert_offsets[tile_expert];
-    const int32_t b = full_blocks >= 0 ? rows / kGemmTileM : blocks(rows);
-    return rank == 0 ? block + 1 < expert_block + b : block > expert_block;
   }
 };
 
@@ -560,8 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if constexpr (kActWarps) {
       for (int w = 0; w < 2; ++w) {
-        // EXPERIMENT: every thread of the consumer warpgroup, or (warp_arrivals) lane 0 of each of its warps
-        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], p.warp_arrivals ? 4 : 128);
+        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 128);  // every thread of the consumer warpgroup
         cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], 1);   // the activation warp's lane 0
       }
     }
@@ -582,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     __syncthreads();
   }
 
-  TileWalker<S, E, gemm_pairs_rows(S, BKMajor, GatherA)> walker(args, p.split_half_tiles, p.halves_order);
+  TileWalker<S, E> walker(args, p.split_half_tiles);
   // Tile order: every grid-th tile (static), or claimed from a global counter as the producer gets to
   // it (GemmConfig::claim_tiles), which keeps CTAs near each other in the tile sequence when tiles
   // differ in length. Both give the same bits: a tile's result does not depend on which CTA
@@ -651,8 +539,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t col = smem.act_job[w][1];
         if (col < 0) break;
         if (lane == 0 && args.out_h != nullptr) {
-          tma_store(&p.tma_out2, gate_box, col, row0, p.h_evict_first);
-          tma_store(&p.tma_out2, up_box, int32_t(args.n) + col, row0, p.h_evict_first);
+          tma_store(&p.tma_out2, gate_box, col, row0);
+          tma_store(&p.tma_out2, up_box, int32_t(args.n) + col, row0);
           store_commit();
           store_wait_read();
         }
@@ -672,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncwarp();
         if (lane == 0) {
-          tma_store(&p.tma_out, gate_box, col, row0, false);
+          tma_store(&p.tma_out, gate_box, col, row0);
           store_commit();
           store_wait_read();
           cutlass::arch::ClusterBarrier::arrive(&smem.act_empty[w]);
@@ -730,7 +618,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       // Both CTAs of a pair see that its two blocks are one routed expert's (then they share its weight tile).
       bool shared = false;
       if constexpr (kPairs) {
-        if (p.pair_rows) shared = walker.pair_shares(int32_t(t / walker.n_tiles), tile.expert, cluster_rank());
+        const int32_t block = int32_t(t / walker.n_tiles);
+        if (p.pair_rows && tile.expert < args.num_experts) {
+          const int32_t expert_blocks =
+              walker.blocks(args.expert_offsets[tile.expert + 1] - args.expert_offsets[tile.expert]);
+          shared = cluster_rank() == 0 ? block + 1 < walker.expert_block + expert_blocks : block > walker.expert_block;
+        }
       }
       // The rows-ready hook (expert parallelism: rows are placed by the dispatch, never gathered).
       if (S == GemmSchedule::kRows && !GatherA && args.hook.counters != nullptr && tile.k_tiles > 0 &&
@@ -897,11 +790,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const uint32_t box = slots + b * kBoxBytes;
         if constexpr (E == GemmEpilogue::kSwiGLU) {
           // h: the gate half at column n_tile * 128, the up half n columns further; a: n_tile * 128.
-          tma_store(r == 2 ? &p.tma_out : &p.tma_out2, box, int32_t(n) * (r % 2) + n_tile * 128 + 64 * b, rows_at,
-                    r < 2 && p.h_evict_first);
+          tma_store(r == 2 ? &p.tma_out : &p.tma_out2, box, int32_t(n) * (r % 2) + n_tile * 128 + 64 * b, rows_at);
         } else {
-          tma_store(&p.tma_out, box, n_tile * kGemmTileN + 128 * r + 64 * b, rows_at,
-                    S == GemmSchedule::kExperts && p.wgrad_evict_first);
+          tma_store(&p.tma_out, box, n_tile * kGemmTileN + 128 * r + 64 * b, rows_at);
         }
       }
       store_commit();
@@ -936,12 +827,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       asm volatile("" ::: "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (p.warp_arrivals) {  // EXPERIMENT: the warp's writes ordered before its lane 0's arrival
-      __syncwarp();
-      if (wtid % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
-    } else {
-      cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
-    }
+    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
     ++act_jobs;
   };
   auto submit_held = [&] {
@@ -1168,9 +1054,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
         staging_release(wg);
         if (wtid == 0) {
-          tma_store(&p.tma_out2, slots, col0, row0, false);
-          tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0, false);
-          tma_store(&p.tma_out, slots + 2 * kBoxBytes, col0, row0, false);
+          tma_store(&p.tma_out2, slots, col0, row0);
+          tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0);
+          tma_store(&p.tma_out, slots + 2 * kBoxBytes, col0, row0);
           store_commit();
         }
       }
@@ -1193,7 +1079,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       smem.act_job[wg][1] = -1;
       asm volatile("" ::: "memory");
     }
-    if (!p.warp_arrivals || wtid % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
+    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
   } else if (kDeferred && holding) {
     store_held();
   }

@@ -1,7 +1,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "row_ops.cuh"
 
@@ -136,37 +135,6 @@ __global__ void __launch_bounds__(kWarpThreads, kScaled ? 2 : 4) gather_rows_ker
   }
 }
 
-// EXPERIMENT (PRIMEMOE_GATHER_BY_ROW=1): a destination row per warp, rows in order, so the writes stream
-// sequentially and each x row is read once per slot (K times, from L2 where it stays). Same result as
-// gather_rows_kernel: rows without a slot (or one past T * K) are zeros, every other row its slot's token, scaled.
-template <bool kScaled>
-__global__ void __launch_bounds__(kWarpThreads, kScaled ? 2 : 4) gather_rows_by_row_kernel(GatherRowsArgs a) {
-  const int vecs = a.hidden / kVec, lane = threadIdx.x % 32;
-  const int64_t slots = a.num_tokens * a.top_k;
-  __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(a.dst);
-  for (int64_t r = global_warp(); r < a.num_rows; r += grid_warps()) {
-    const int32_t slot = a.row_to_slot[r];
-    const bool real = slot >= 0 && slot < slots;
-    const auto* tokens = static_cast<const __nv_bfloat16*>(a.src);
-    const uint4* src = real ? reinterpret_cast<const uint4*>(tokens + int64_t(slot / a.top_k) * a.hidden) : nullptr;
-    const float s = real ? load_scale(a.scale, a.scale_type, slot) : 0.0f;
-    uint4* out = reinterpret_cast<uint4*>(dst + r * a.hidden);
-    for (int base = 0; base < vecs; base += 32 * kGatherUnroll) {
-      uint4 buf[kGatherUnroll];
-#pragma unroll
-      for (int u = 0; u < kGatherUnroll; ++u) {
-        const int v = base + 32 * u + lane;
-        buf[u] = real && v < vecs ? __ldg(src + v) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kGatherUnroll; ++u) {
-        const int v = base + 32 * u + lane;
-        if (v < vecs) out[v] = real ? scaled<kScaled>(buf[u], s) : buf[u];
-      }
-    }
-  }
-}
-
 // Each lane sums its 16-byte vectors over the slots in k order (fp32): the same sum whatever the grid.
 __global__ void __launch_bounds__(kWarpThreads, 3) combine_reduce_kernel(CombineReduceArgs a) {
   const int vecs = a.hidden / kVec, K = a.top_k, lane = threadIdx.x % 32;
@@ -277,13 +245,6 @@ cudaError_t launch_invert_row_to_slot(const int32_t* row_to_slot, int64_t num_ro
 cudaError_t launch_gather_rows(const GatherRowsArgs& a, cudaStream_t stream) {
   if (a.hidden % kVec) return cudaErrorInvalidValue;
   if (a.num_rows == 0) return cudaSuccess;
-  const char* by_row = std::getenv("PRIMEMOE_GATHER_BY_ROW");  // EXPERIMENT (temporary)
-  if (by_row != nullptr && by_row[0] == '1') {
-    const int grid = grid_for((a.num_rows + kWarps - 1) / kWarps, kWarpThreads);
-    if (a.scale_type == ScaleType::kNone) gather_rows_by_row_kernel<false><<<grid, kWarpThreads, 0, stream>>>(a);
-    else gather_rows_by_row_kernel<true><<<grid, kWarpThreads, 0, stream>>>(a);
-    return cudaGetLastError();
-  }
   const int64_t warps = std::max(a.num_tokens, (a.num_rows + 31) / 32);
   const int grid = grid_for((warps + kWarps - 1) / kWarps, kWarpThreads);
   if (a.scale_type == ScaleType::kNone) gather_rows_kernel<false><<<grid, kWarpThreads, 0, stream>>>(a);

@@ -272,14 +272,11 @@ def test_engine_ops_are_bitwise_repeatable():
     assert torch.equal(w, ops.expert_wgrad(gpu.h, gpu.xs, gpu.offsets))
 
 
-@pytest.mark.parametrize("pairs", ["0", "1"])
 @pytest.mark.parametrize("counts", ["mixed", "all_empty"])
-def test_zero_unrouted_false_keeps_the_routed_rows(monkeypatch, counts, pairs):
+def test_zero_unrouted_false_keeps_the_routed_rows(counts):
     """zero_unrouted=False skips the tiles past the routed rows (300 spare rows: two whole tiles and part
     of a third) and nothing else: the routed rows are bitwise those of the zeroing run, the rest keep
-    the allocator's poison. Paired row blocks forced on and off (PRIMEMOE_GEMM_PAIRS): a pair whose second
-    block is past the routed rows, or absent, must not share with it."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
+    the allocator's poison."""
     hidden, inter = SHAPES["small"]
     g = engine_operands(COUNTS[counts], hidden, inter, seed=5, device="cuda", spare_rows=300)
     routed = int(g.offsets[-1])
@@ -336,11 +333,8 @@ def test_unsupported_size_raises_a_clear_error():
     assert y.isfinite().all()
 
 
-@pytest.mark.parametrize("pairs", ["0", "1"])
-def test_fc1_producer_waits_for_rows_ready(monkeypatch, pairs):
-    """The wait hook the expert-parallel path drives: satisfied counters change nothing, also with paired row
-    blocks forced on (PRIMEMOE_GEMM_PAIRS=1; the heuristics pair nothing under the hook)."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
+def test_fc1_producer_waits_for_rows_ready():
+    """The wait hook the expert-parallel path drives: satisfied counters change nothing."""
     e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=6, device="cuda")
     plain = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
     ready = torch.full((3,), 4, dtype=torch.int64, device="cuda")
@@ -370,61 +364,3 @@ def test_rows_ready_arguments_are_checked():
         ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(3, dtype=torch.int64, device="cuda"), epoch, 1, 0)
     with pytest.raises(RuntimeError, match="epoch: required with rows_ready"):
         ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(2, dtype=torch.int64, device="cuda"), None, 1, 0)
-
-
-@pytest.mark.parametrize("variable", ["PRIMEMOE_H_EVICT_FIRST", "PRIMEMOE_WGRAD_EVICT_FIRST"])
-def test_evict_first_stores_give_the_same_bits(monkeypatch, variable):  # EXPERIMENT (temporary)
-    gpu = engine_operands([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2048, 1536, seed=21, device="cuda")
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
-        "wgrad": lambda: (ops.expert_wgrad(gpu.h, gpu.xs, gpu.offsets, gpu.counts),),
-    }
-    assert_same_bits_under_env(monkeypatch, variable, "0", "1", ops_under_test, variable)
-
-
-@pytest.mark.parametrize("pairs", ["0", "1"])
-def test_activation_warp_arrivals_give_the_same_bits(monkeypatch, pairs):  # EXPERIMENT (temporary)
-    gpu = engine_operands([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 1408, seed=22, device="cuda")
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
-    }
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_ACT_WARP_ARRIVALS", "0", "1", ops_under_test,
-                               "per-warp arrivals")
-
-
-@pytest.mark.parametrize("mode", ["1", "2"])
-@pytest.mark.parametrize("pairs", ["0", "1"])
-@pytest.mark.parametrize("order", ["static", "claimed"])
-@pytest.mark.parametrize("counts", [[300, 0, 1, 700, 129, 64, 1000, 63] * 2, [1, 129, 300] * 60, [0, 0, 5000, 0],
-                                    [64, 64, 64], [64, 192, 64, 320, 1, 64, 200, 64, 64]])
-def test_halves_last_gives_the_same_bits(monkeypatch, counts, order, pairs, mode):  # EXPERIMENT (temporary)
-    """The half blocks after every full block (PRIMEMOE_HALVES_LAST=1) or paired with each other in place (2: the
-    forward variants), against the expert-major order: bitwise equal on every row variant, paired and not, both tile
-    orders, with rows past the routed ones kept and skipped; the last layout has experts of a single half block at
-    odd positions, so a pending half goes alone and one is left for the end."""
-    gpu = engine_operands(counts, 2048, 1536, seed=23, device="cuda", spare_rows=300)
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc1, unrouted skipped": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True, zero_unrouted=False)[:1],
-        "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
-        "fc1 dgrad": lambda: (ops.expert_gemm(gpu.h, gpu.w1, gpu.offsets, True),),
-        "fc2 dgrad": lambda: ops.fc2_dgrad_swiglu(gpu.dy_rows, gpu.w2, gpu.h, gpu.row_weight, gpu.offsets),
-    }
-    routed = int(gpu.offsets[-1])
-    for name, run in ops_under_test.items():
-        results = {}
-        for value in ("0", mode):
-            monkeypatch.setenv("PRIMEMOE_HALVES_LAST", value)
-            poison_caching_allocator()
-            results[value] = run()
-            torch.cuda.synchronize()
-        for got, want in zip(results[mode], results["0"]):
-            assert torch.equal(got[:routed], want[:routed]), f"{name}: the halves-last order changed the result"
-            if "skipped" not in name:
-                assert not want.isnan().any(), f"{name}: NaN (unwritten output)"
-                assert torch.equal(got, want), f"{name}: the halves-last order changed the result"

@@ -115,16 +115,10 @@ def rows_problem(tokens, top_k, hidden, seed):
 ROW_SHAPES = [(1, 1, 8), (300, 8, 256), (2000, 2, 7168)]  # tokens, top_k, hidden
 
 
-@pytest.fixture(params=["0", "1"], ids=["by_token", "by_row"])
-def gather_form(request, monkeypatch):  # EXPERIMENT (temporary): PRIMEMOE_GATHER_BY_ROW
-    monkeypatch.setenv("PRIMEMOE_GATHER_BY_ROW", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("with_slot_to_row", [False, True], ids=["inverted_on_device", "layout_slot_to_row"])
 @pytest.mark.parametrize("scale_dtype", [None, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", ROW_SHAPES)
-def test_gather_rows_cuda_equals_cpu(shape, scale_dtype, with_slot_to_row, gather_form):
+def test_gather_rows_cuda_equals_cpu(shape, scale_dtype, with_slot_to_row):
     x, weights, slot_to_row, row_to_slot = rows_problem(*shape, seed=1)
     scale = None if scale_dtype is None else weights.to(scale_dtype)
     want = ops.gather_rows(x, row_to_slot, shape[1], scale)
@@ -134,7 +128,7 @@ def test_gather_rows_cuda_equals_cpu(shape, scale_dtype, with_slot_to_row, gathe
 
 
 @pytest.mark.parametrize("scale_dtype", [None, torch.float32])
-def test_gather_rows_any_row_to_slot(scale_dtype, gather_form):
+def test_gather_rows_any_row_to_slot(scale_dtype):
     """Not only dispatch_layout's maps: rows that name the same slot each get its row (the CUDA
     gather walks tokens, and only one row per slot is the token's), and a slot past T * K counts
     as -1 (zeros)."""
@@ -157,7 +151,7 @@ GATHER_EDGES = {"top_k_33": (300, 33, 256), "long_rows": (40, 4, 51208), "many_t
 
 
 @pytest.mark.parametrize("case", GATHER_EDGES)
-def test_gather_rows_edges_on_poisoned_memory(case, gather_form):
+def test_gather_rows_edges_on_poisoned_memory(case):
     tokens, top_k, hidden = GATHER_EDGES[case]
     x, _, slot_to_row, row_to_slot = rows_problem(tokens, top_k, hidden, seed=6)
     want = ops.gather_rows(x, row_to_slot, top_k, None)
