@@ -272,11 +272,14 @@ def test_engine_ops_are_bitwise_repeatable():
     assert torch.equal(w, ops.expert_wgrad(gpu.h, gpu.xs, gpu.offsets))
 
 
+@pytest.mark.parametrize("pairs", ["0", "1"])
 @pytest.mark.parametrize("counts", ["mixed", "all_empty"])
-def test_zero_unrouted_false_keeps_the_routed_rows(counts):
+def test_zero_unrouted_false_keeps_the_routed_rows(monkeypatch, counts, pairs):
     """zero_unrouted=False skips the tiles past the routed rows (300 spare rows: two whole tiles and part
     of a third) and nothing else: the routed rows are bitwise those of the zeroing run, the rest keep
-    the allocator's poison."""
+    the allocator's poison. Paired row blocks forced on and off (PRIMEMOE_GEMM_PAIRS): a pair whose second
+    block is past the routed rows, or absent, must not share with it."""
+    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
     hidden, inter = SHAPES["small"]
     g = engine_operands(COUNTS[counts], hidden, inter, seed=5, device="cuda", spare_rows=300)
     routed = int(g.offsets[-1])
@@ -333,8 +336,11 @@ def test_unsupported_size_raises_a_clear_error():
     assert y.isfinite().all()
 
 
-def test_fc1_producer_waits_for_rows_ready():
-    """The wait hook the expert-parallel path drives: satisfied counters change nothing."""
+@pytest.mark.parametrize("pairs", ["0", "1"])
+def test_fc1_producer_waits_for_rows_ready(monkeypatch, pairs):
+    """The wait hook the expert-parallel path drives: satisfied counters change nothing, also with paired row
+    blocks forced on (PRIMEMOE_GEMM_PAIRS=1; the heuristics pair nothing under the hook)."""
+    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
     e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=6, device="cuda")
     plain = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
     ready = torch.full((3,), 4, dtype=torch.int64, device="cuda")
