@@ -2,7 +2,6 @@
 #include <cuda.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <cstdint>
 
 #include "grouped_gemm_launch.cuh"
@@ -183,11 +182,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
-  if (const char* prefetch = std::getenv("PRIMEMOE_GEMM_PREFETCH")) {  // EXPERIMENT (temporary)
-    char* rest = nullptr;
-    params.prefetch_ahead = int(std::strtol(prefetch, &rest, 10));
-    params.prefetch_what = *rest == ':' ? int(std::strtol(rest + 1, nullptr, 10)) : 3;
-  }
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -20,10 +20,6 @@ struct GemmParams {
   bool claim_tiles;       // kRows: tiles claimed from args.tile_counter (GemmConfig)
   bool pair_rows;         // kRows: launched as 2-CTA clusters over pairs of row blocks (GemmConfig)
   bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
-  // EXPERIMENT (temporary): L2 prefetch of k-slice kt + prefetch_ahead while loading kt (PRIMEMOE_GEMM_PREFETCH=
-  // ahead:what, what bit 1: A, bit 2: the weights).
-  int prefetch_ahead;
-  int prefetch_what;
 };
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are

@@ -138,13 +138,6 @@ __device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* bar, 
       : "memory");
 }
 
-__device__ __forceinline__ void tma_prefetch(const CUtensorMap* map, int32_t c0, int32_t c1, int32_t c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];"
-               :
-               : "l"(map), "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-
 // The same box into the same shared-memory offset of both CTAs of a 2-CTA cluster; each CTA's barrier there
 // counts the bytes it receives.
 __device__ __forceinline__ void tma_load_pair(const CUtensorMap* map, uint64_t* bar, void* dst, int32_t c0, int32_t c1,
@@ -666,28 +659,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
         bfloat16_t* sa = smem.a + stage * kSubTileElems;
         if (ptid == 0) {
-          if constexpr (S == GemmSchedule::kRows && !GatherA) {
-            // EXPERIMENT (temporary): GemmParams::prefetch_ahead; the tile's first slices at its start.
-            if (p.prefetch_ahead > 0) {
-              for (int32_t ka = kt == 0 ? 1 : kt + p.prefetch_ahead; ka <= kt + p.prefetch_ahead && ka < tile.k_tiles;
-                   ++ka) {
-                const int32_t k1 = tile.k_begin + ka * kGemmTileK;
-                if (p.prefetch_what & 1) tma_prefetch(tile.split ? &p.tma_a_half : &p.tma_a, k1, tile.m0, 0);
-                if (p.prefetch_what & 2) {
-                  for (int j = 0; j < 2; ++j) {
-                    if (shared && j != int(cluster_rank())) continue;
-                    const int32_t n1 = tile.n_tile * gemm_tile_n(E) + j * (E == GemmEpilogue::kSwiGLU ? args.n : 128);
-                    if constexpr (BKMajor) {
-                      tma_prefetch(&p.tma_b, k1, n1, tile.expert);
-                    } else {
-                      tma_prefetch(&p.tma_b, n1, k1, tile.expert);
-                      tma_prefetch(&p.tma_b, n1 + 64, k1, tile.expert);
-                    }
-                  }
-                }
-              }
-            }
-          }
           if constexpr (S == GemmSchedule::kRows) {
             // A half tile's k-slice is read by one consumer warpgroup, from its own 64 rows of the A tile
             // (warpgroup kt % 2, see the consumers): only those are loaded.
