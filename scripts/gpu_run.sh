@@ -6,7 +6,7 @@
 # only a few files, and those should be the logs and JSONs. REUSE_BUILD=1 skips the build when
 # an earlier call on the same (still warm) machine built these sources.
 # PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
-#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|clocks|ncu|ncu235|comm|commprof|sanitize|probe|gatherbench|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|clocks|ncu|ncu235|comm|commprof|sanitize|probe|gatherbench|layoutcost|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
@@ -14,6 +14,7 @@
 # (scripts/stage_times.py; STAGES_ARGS adds its options, e.g. --row-aligns 64 128 or --tile-orders static claimed);
 # clocks: SM clock, power and power-cap state while the GEMMs run back to back vs with gaps (scripts/clock_state.py);
 # gatherbench: the row gather against other ways to move its bytes (scripts/gather_bench.cu);
+# layoutcost: FC1 and FC2 on the benchmark's row layout against even, rounded-down and 128-padded ones (scripts/layout_cost.py);
 # ncu / ncu235: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py) at 30B T = 16384
 # / 235B T = 8192; commprof: dispatch/combine region and kernel times on every GPU (scripts/comm_profile.py).
 set -uo pipefail
@@ -88,6 +89,7 @@ for step in $STEPS; do
     gatherbench)  # the row gather against the memory ceilings (scripts/gather_bench.cu, no torch)
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc -o /tmp/gather_bench scripts/gather_bench.cu \
         && /tmp/gather_bench 2>&1 | tee "$OUT/gather_bench.log" || status=1 ;;
+    layoutcost) (cd scripts && $PY layout_cost.py --out "$OUT/layout_cost.json") 2>&1 | tee "$OUT/layout_cost.log" ;;
     probe)  # racecheck on the exchange forms of scripts/racecheck_probe.cu
       nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -o /tmp/racecheck_probe scripts/racecheck_probe.cu || status=1
       for m in 0 1 2 4 6 7 8 15 16 40; do
