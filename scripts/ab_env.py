@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from layer_inputs import layer_inputs
+from layer_inputs import add_shapes_argument, layer_inputs
 from primemoe import ops
 from primemoe.bench import SHAPES
 
@@ -42,11 +42,41 @@ def phase_ms(fn, secs):
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def time_shape(shape, T, a, overridden, results):
+    """Every stage of a.stages at (shape, T): a.rounds rounds of the variants, alternating."""
+    _, _, E, K = SHAPES[shape]
+    x, idx, w, w1, w2, dy = layer_inputs(shape, T)
+    _, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
+    xs = lib.gather_rows(x, r2s, K, None, s2r)
+    act = lib.fc1_swiglu(xs, w1, off, True)[0]
+    rw = ops.row_weights(w, r2s)
+    _, fc1_out = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
+    stages = {
+        "gather": lambda: lib.gather_rows(x, r2s, K, None, s2r),
+        "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),
+        "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
+        "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
+        "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
+    }
+    for stage in a.stages:
+        fn = stages[stage]
+        for r in range(a.rounds):
+            for name, env in a.variant:
+                for k in overridden:
+                    os.environ.pop(k, None)
+                os.environ.update(env)
+                ms = phase_ms(fn, a.secs)
+                results.setdefault(f"{shape}/{T} {stage}", {}).setdefault(name, []).append(round(ms, 4))
+        row = results[f"{shape}/{T} {stage}"]
+        print(f"{shape}/{T} {stage:8}", "  ".join(f"{n} {statistics.median(v):.4f} {v}" for n, v in row.items()),
+              flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variant", action="append", required=True, type=parse_variant,
                    help="name=VAR=value[,VAR=value...] (name= alone: no overrides)")
-    p.add_argument("--shapes", nargs="+", default=["qwen3-235b-a22b:8192", "qwen3-30b-a3b:16384"])
+    add_shapes_argument(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--secs", type=float, default=1.0)
     p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
@@ -55,36 +85,8 @@ def main():
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}
     results = {}
-    for spec in a.shapes:
-        shape, tokens = spec.split(":")
-        T = int(tokens)
-        _, _, E, K = SHAPES[shape]
-        x, idx, w, w1, w2, dy = layer_inputs(shape, T)
-        _, off, s2r, r2s = lib.dispatch_layout(idx, E, 0, E, ops.ROW_ALIGN)
-        xs = lib.gather_rows(x, r2s, K, None, s2r)
-        act = lib.fc1_swiglu(xs, w1, off, True)[0]
-        rw = ops.row_weights(w, r2s)
-        _, fc1_out = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
-        stages = {
-            "gather": lambda: lib.gather_rows(x, r2s, K, None, s2r),
-            "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),
-            "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
-            "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
-            "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
-        }
-        for stage in a.stages:
-            fn = stages[stage]
-            for r in range(a.rounds):
-                for name, env in a.variant:
-                    for k in overridden:
-                        os.environ.pop(k, None)
-                    os.environ.update(env)
-                    ms = phase_ms(fn, a.secs)
-                    results.setdefault(f"{shape}/{T} {stage}", {}).setdefault(name, []).append(round(ms, 4))
-            row = results[f"{shape}/{T} {stage}"]
-            print(f"{shape}/{T} {stage:8}", "  ".join(f"{n} {statistics.median(v):.4f} {v}" for n, v in row.items()),
-                  flush=True)
-        del x, w1, w2, xs, act, dy, fc1_out
+    for shape, T in a.shapes:
+        time_shape(shape, T, a, overridden, results)
         torch.cuda.empty_cache()
     if a.out:
         json.dump({"device": torch.cuda.get_device_name(), "variants": dict(a.variant), "ms": results},

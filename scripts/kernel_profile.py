@@ -9,7 +9,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from layer_inputs import layer_inputs
+from layer_inputs import add_shapes_argument, layer_inputs
 
 lib = torch.ops.primemoe
 
@@ -36,31 +36,32 @@ def kernel_times(fn, iters):
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
+def profile_shape(shape, T, iters, out):
+    x, idx, w, w1, w2, dy = layer_inputs(shape, T)
+    _, h = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
+    passes = {
+        "forward": lambda: lib.moe_forward(x, idx, w, w1, w2, "bf16", True),
+        "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, h, "bf16"),
+    }
+    for name, fn in passes.items():
+        per = kernel_times(fn, iters)
+        total = sum(per.values())
+        out[f"{shape}/{T} {name}"] = {"total_us": round(total, 1),
+                                      "kernels_us": {k: round(v, 1) for k, v in per.items()}}
+        print(f"== {shape} T={T} {name}: {total:.1f} µs of kernels per call")
+        for k, v in per.items():
+            print(f"  {v:9.1f} µs {100 * v / total:5.1f}%  {k}")
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", nargs="+", default=["qwen3-235b-a22b:8192", "qwen3-30b-a3b:16384"])
+    add_shapes_argument(p)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out")
     a = p.parse_args()
     out = {}
-    for spec in a.shapes:
-        shape, tokens = spec.split(":")
-        T = int(tokens)
-        x, idx, w, w1, w2, dy = layer_inputs(shape, T)
-        _, h = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
-        passes = {
-            "forward": lambda: lib.moe_forward(x, idx, w, w1, w2, "bf16", True),
-            "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, h, "bf16"),
-        }
-        for name, fn in passes.items():
-            per = kernel_times(fn, a.iters)
-            total = sum(per.values())
-            out[f"{shape}/{T} {name}"] = {"total_us": round(total, 1),
-                                          "kernels_us": {k: round(v, 1) for k, v in per.items()}}
-            print(f"== {shape} T={T} {name}: {total:.1f} µs of kernels per call")
-            for k, v in per.items():
-                print(f"  {v:9.1f} µs {100 * v / total:5.1f}%  {k}")
-        del x, w1, w2, dy, h
+    for shape, T in a.shapes:
+        profile_shape(shape, T, a.iters, out)
         torch.cuda.empty_cache()
     if a.out:
         json.dump({"device": torch.cuda.get_device_name(), "passes": out}, open(a.out, "w"), indent=1)

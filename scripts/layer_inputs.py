@@ -1,5 +1,7 @@
 """The single-GPU layer's inputs for the diagnostic scripts, so that they all time the same tensors: from one
 seeded CUDA generator, in this order, x, the router logits (top-k routing), w1, w2 and dy."""
+import argparse
+
 import torch
 
 from primemoe import route
@@ -16,3 +18,17 @@ def layer_inputs(shape, tokens, seed=0):
     w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I ** -0.5).bfloat16()
     dy = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
     return x, idx, w, w1, w2, dy
+
+
+def add_shapes_argument(parser):
+    """``--shapes shape:tokens ...`` (shape a key of primemoe.bench.SHAPES), the diagnostic scripts' common option;
+    parsed into ``(shape, tokens)`` pairs."""
+    parser.add_argument("--shapes", nargs="+", type=_shape_tokens,
+                        default=[("qwen3-235b-a22b", 8192), ("qwen3-30b-a3b", 16384)], help="shape:tokens ...")
+
+
+def _shape_tokens(spec):
+    shape, _, tokens = spec.partition(":")
+    if shape not in SHAPES or not tokens.isdigit():
+        raise argparse.ArgumentTypeError(f"expected shape:tokens with a shape of {sorted(SHAPES)}, got {spec!r}")
+    return shape, int(tokens)

@@ -7,7 +7,7 @@ within one process, --rounds rounds, as scripts/ab_env.py does) on four row layo
   R  each expert's count padded to 128 (no half tiles, twice the padding)
 All four run on the same random rows (padding rows are random here, not zeros), so only the row counts differ.
 Prints each layout's median ms against F's, beside its row count against F's.
-Usage (on the GPU machine, from scripts/): python layout_cost.py [--shapes 235B:T ...] [--out f.json]"""
+Usage (on the GPU machine, from scripts/): python layout_cost.py [--shapes shape:tokens ...] [--out f.json]"""
 import argparse
 import json
 import os
@@ -16,7 +16,7 @@ import statistics
 import torch
 
 from ab_env import phase_ms
-from layer_inputs import layer_inputs
+from layer_inputs import add_shapes_argument, layer_inputs
 from primemoe import ops
 from primemoe.bench import SHAPES
 
@@ -64,15 +64,14 @@ def time_shape(shape, T, rounds, secs, results):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", nargs="+", default=["qwen3-235b-a22b:8192", "qwen3-30b-a3b:16384"])
+    add_shapes_argument(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--secs", type=float, default=0.5)
     p.add_argument("--out")
     a = p.parse_args()
     results = {}
-    for spec in a.shapes:
-        shape, tokens = spec.split(":")
-        time_shape(shape, int(tokens), a.rounds, a.secs, results)
+    for shape, T in a.shapes:
+        time_shape(shape, T, a.rounds, a.secs, results)
         torch.cuda.empty_cache()
     if a.out:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, open(a.out, "w"), indent=1)
