@@ -3,8 +3,7 @@ warpgroup 0 and producer, on the benchmark's row layout (U) and on every expert 
 paired and not. Per kind of tile (full / half; paired: sharing the weight tile or apart, and mixed where the pair's
 other block differs in length): count and mean us of the tile, split into the wait for its first stage, the
 mainloop and the epilogue, beside the mainloop's waits for filled stages (consumers starved) and the producer's
-waits for empty ones (ring full); and the claimed order's claims: how long the producer's atomic takes, and how much
-of it comes after the consumers finished the previous tile (the consumers' wait for a tile). The launch is traced after 30 untraced ones back to back.
+waits for empty ones (ring full). The launch is traced after 30 untraced ones back to back.
 Usage (on the GPU machine, from scripts/): python tile_trace.py [--out f.json]"""
 import argparse
 import json
@@ -18,7 +17,7 @@ from primemoe import ops
 from primemoe.bench import SHAPES
 
 lib = torch.ops.primemoe
-TILES, VALUES = 256, 9  # kTraceTiles, kTraceValues
+TILES, VALUES = 256, 7  # kTraceTiles, kTraceValues
 
 
 def row_blocks(offsets):
@@ -53,16 +52,10 @@ def summarise(label, tr, n_tiles, offsets, paired):
     start = min(r[1] for cta in tr for r in cta if r[1])
     end = max(r[4] for cta in tr for r in cta if r[4])
     kinds = defaultdict(lambda: [0] * 7)
-    waiting = tail = claiming = claimed_late = 0.0
-    claims = 0
+    waiting = tail = 0.0
     for cta, recs in enumerate(tr):
         prev_end = last = None
-        for t, take, first, main, done, starved, empty, claim_from, claim_to in (r for r in recs if r[1]):
-            if claim_from:
-                claims += 1
-                claiming += claim_to - claim_from
-                if prev_end is not None:
-                    claimed_late += max(0, claim_to - prev_end)
+        for t, take, first, main, done, starved, empty in (r for r in recs if r[1]):
             block = t // n_tiles
             if block >= len(blocks):
                 kind = "past the routed rows"
@@ -84,9 +77,6 @@ def summarise(label, tr, n_tiles, offsets, paired):
             tail += end - last
     print(f"{label}: {(end - start) / 1e3:.1f} us; per CTA {waiting / sms / 1e3:.1f} us waiting for a tile, "
           f"{tail / sms / 1e3:.1f} us done before the last CTA", flush=True)
-    if claims:
-        print(f"   claims: {claiming / claims / 1e3:.2f} us each; per CTA {claimed_late / sms / 1e3:.1f} us of claims "
-              f"returning after the consumers had finished the tile before", flush=True)
     for kind in sorted(kinds):
         n, d, w, m, ep, st, em = kinds[kind]
         print(f"   {kind:22s} {n:5d} tiles, us: {d / n / 1e3:6.2f} = first stage {w / n / 1e3:5.2f} + mainloop "

@@ -23,12 +23,11 @@ struct GemmParams {
   // EXPERIMENT (temporary): per-tile records (PRIMEMOE_GEMM_TRACE=<device address>), kTraceTiles of kTraceValues per
   // CTA, in tile order: tile index, taken, first stage full, mainloop done, tile done (globaltimer ns, consumer
   // warpgroup 0), ns that warpgroup waited for filled stages after the first, and ns the producer waited for empty
-  // stages (its own consumers', then the peer's pair_empty), and when the producer's claim of the tile began and
-  // returned (claimed order; zeros for a CTA's first tile).
+  // stages (its own consumers', then the peer's pair_empty).
   unsigned long long* trace;
 };
 constexpr int kTraceTiles = 256;
-constexpr int kTraceValues = 9;
+constexpr int kTraceValues = 7;
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are
 // gathered from the tokens by the producer (GroupedGemmArgs::a_row_src).

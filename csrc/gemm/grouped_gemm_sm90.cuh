@@ -619,19 +619,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       return int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1);
     };
-    // EXPERIMENT (temporary): GemmParams::trace, when the claim of tile `produced` began and returned.
-    auto stamp = [&](int j) {
-      if (kTrace && p.trace != nullptr && produced < kTraceTiles) {
-        p.trace[(int64_t(blockIdx.x) * kTraceTiles + produced) * kTraceValues + j] = producer_now();
-      }
-    };
-    auto timed_claim = [&]() {
-      stamp(7);
-      const int64_t t = claim_next();
-      stamp(8);
-      return t;
-    };
-    for (int64_t t = first_tile();; t = claimed ? timed_claim() : next_tile(t)) {
+    for (int64_t t = first_tile();; t = claimed ? claim_next() : next_tile(t)) {
       if (claimed) pass_tile(passed++, t);
       if (t >= walker.total) break;
       const Tile tile = walker.at(t);
