@@ -423,8 +423,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   extern __shared__ uint8_t smem_raw[];
   constexpr int kStages = Pipeline<S, E>::kStages;
   constexpr bool kPairs = gemm_pairs_rows(S, BKMajor, GatherA);
-  // EXPERIMENT (temporary): GemmParams::trace, in the forward's row GEMMs only (elsewhere its registers spill).
-  constexpr bool kTrace = S == GemmSchedule::kRows && BKMajor && !GatherA;
   // FC1's activation by two warps of the producer warpgroup (one per consumer warpgroup), off the consumers'
   // critical path: see the epilogue.
   constexpr bool kActWarps = gemm_activation_warps(S, E, GatherA);
@@ -580,12 +578,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     RingPos<kStages> pos;
     int32_t ready_expert = -1;
     uint32_t passed = 0;  // claimed order: tiles passed to the consumers
-    int32_t produced = 0;  // EXPERIMENT (temporary): GemmParams::trace
-    auto producer_now = [] {
-      unsigned long long ns;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-      return ns;
-    };
     uint32_t pair_phases = 0;  // paired: bit s is the parity of pair_empty[s]'s next phase
     // Paired and claimed: rank 0 claims each pair and passes it to rank 1 until rank 1's block of it does not exist
     // (past the last row block), after which rank 1 has stopped. handoffs counts the pairs passed / taken.
@@ -653,20 +645,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           token[i] = slot >= 0 ? slot / args.a_src_div : -1;
         }
       }
-      uint32_t empty_wait = 0;  // EXPERIMENT (temporary): GemmParams::trace
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
-        const unsigned long long empty_from = kTrace && p.trace != nullptr ? producer_now() : 0;
         cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], pos.phase ^ 1);
-        if (kTrace && p.trace != nullptr) empty_wait += uint32_t(producer_now() - empty_from);
         if (shared) {
           // The peer's stage is written too: its consumers must be done with it as well. Each producer arrives on the
           // other's pair_empty once its own consumers are, so a stage's next use waits for this one's on both sides.
           arrive_remote(&smem.pair_empty[stage], cluster_rank() ^ 1);
-          const unsigned long long pair_from = kTrace && p.trace != nullptr ? producer_now() : 0;
           cutlass::arch::ClusterBarrier::wait(&smem.pair_empty[stage], (pair_phases >> stage) & 1);
-          if (kTrace && p.trace != nullptr) empty_wait += uint32_t(producer_now() - pair_from);
           pair_phases ^= 1u << stage;
         }
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
@@ -714,10 +701,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
         pos.step(1);
       }
-      if (kTrace && p.trace != nullptr && produced < kTraceTiles) {
-        p.trace[(int64_t(blockIdx.x) * kTraceTiles + produced) * kTraceValues + 6] = empty_wait;
-      }
-      ++produced;
     }
     if constexpr (kPairs) {
       // Rank 1 gives back every handoff but the last; the one before the last is waited for by no later handoff,
@@ -858,10 +841,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
   // EXPERIMENT (temporary): GemmParams::trace. Each value goes to memory at once, so nothing is held across the
   // mainloop.
-  const bool tracing = kTrace && p.trace != nullptr && wg == 0 && wtid == 0;
+  const bool tracing = p.trace != nullptr && wg == 0 && wtid == 0;
   int32_t traced = 0;
   auto trace_at = [&](int32_t i, int j) -> unsigned long long& {
-    return p.trace[(int64_t(blockIdx.x) * kTraceTiles + i) * kTraceValues + j];
+    return p.trace[(int64_t(blockIdx.x) * kTraceTiles + i) * 5 + j];
   };
   auto now = [] {
     unsigned long long ns;
@@ -933,12 +916,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     int prev_stage = -1;
     RingPos<kStages> pos = ring;
     pos.step(kt_first);
-    uint32_t starved = 0;  // EXPERIMENT (temporary): ns waited for filled stages after the first
     auto k_slice = [&](int32_t kt, auto submits) {
       const int stage = pos.stage;
-      const unsigned long long wait_from = tracing ? now() : 0;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
-      if (tracing) starved += uint32_t(now() - wait_from);
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       CUTE_UNROLL
@@ -979,10 +959,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_fence_operand(acc);
     if (prev_stage >= 0) release(prev_stage, arrivals);
     ring.advance(tile.k_tiles);
-    if (tracing && traced < kTraceTiles) {
-      trace_at(traced, 5) = starved;
-      trace_at(traced++, 3) = now();
-    }
+    if (tracing && traced < kTraceTiles) trace_at(traced++, 3) = now();
     // This warpgroup had no k-slice in the tile.
     if (kDeferred && holding) {
       if (kActWarps && act_warps) {
