@@ -1,5 +1,4 @@
 // Host side of the grouped GEMM family: checks, TMA descriptors, variant choice, launch.
-#include <cstdlib>
 #include <cuda.h>
 
 #include <atomic>
@@ -183,9 +182,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
-  if (const char* trace = std::getenv("PRIMEMOE_GEMM_TRACE")) {  // EXPERIMENT (temporary)
-    params.trace = reinterpret_cast<unsigned long long*>(std::strtoull(trace, nullptr, 0));
-  }
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -20,11 +20,7 @@ struct GemmParams {
   bool claim_tiles;       // kRows: tiles claimed from args.tile_counter (GemmConfig)
   bool pair_rows;         // kRows: launched as 2-CTA clusters over pairs of row blocks (GemmConfig)
   bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
-  // EXPERIMENT (temporary): per-tile timestamps of consumer warpgroup 0 (PRIMEMOE_GEMM_TRACE=<device address>),
-  // kTraceTiles records of 5 per CTA: tile index, taken, first stage full, mainloop done, tile done (globaltimer).
-  unsigned long long* trace;
 };
-constexpr int kTraceTiles = 256;
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are
 // gathered from the tokens by the producer (GroupedGemmArgs::a_row_src).

@@ -839,31 +839,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   RingPos<kStages> ring;
   uint32_t taken = 0;  // claimed order: tiles taken from the handoff
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
-  // EXPERIMENT (temporary): GemmParams::trace. Each value goes to memory at once, so nothing is held across the
-  // mainloop.
-  const bool tracing = p.trace != nullptr && wg == 0 && wtid == 0;
-  int32_t traced = 0;
-  auto trace_at = [&](int32_t i, int j) -> unsigned long long& {
-    return p.trace[(int64_t(blockIdx.x) * kTraceTiles + i) * 5 + j];
-  };
-  auto now = [] {
-    unsigned long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    return ns;
-  };
   for (int64_t t = first_tile();; t = next_tile(t)) {
-    if (tracing && traced > 0) trace_at(traced - 1, 4) = now();
     if (claimed) t = take_tile(taken++);
     if (t >= walker.total) break;
     const Tile tile = walker.at(t);
-    if (tracing && traced < kTraceTiles) {
-      trace_at(traced, 0) = t;
-      trace_at(traced, 1) = now();
-      if (tile.k_tiles > 0) {
-        cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-        trace_at(traced, 2) = now();
-      }
-    }
     // A half tile: split along K (kSplitHalves and GemmConfig), else multiplied as a full tile
     // whose second 64 rows (the next expert's, or past the layout) warpgroup 1 does not store.
     const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
@@ -959,7 +938,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_fence_operand(acc);
     if (prev_stage >= 0) release(prev_stage, arrivals);
     ring.advance(tile.k_tiles);
-    if (tracing && traced < kTraceTiles) trace_at(traced++, 3) = now();
     // This warpgroup had no k-slice in the tile.
     if (kDeferred && holding) {
       if (kActWarps && act_warps) {
