@@ -20,7 +20,6 @@ struct GemmParams {
   bool claim_tiles;       // kRows: tiles claimed from args.tile_counter (GemmConfig)
   bool pair_rows;         // kRows: launched as 2-CTA clusters over pairs of row blocks (GemmConfig)
   bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
-  bool uncached_offsets;  // EXPERIMENT (temporary): PRIMEMOE_GEMM_OFFSETS=global walks args.expert_offsets in place
 };
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are
