@@ -187,6 +187,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   if (const char* offsets = std::getenv("PRIMEMOE_GEMM_OFFSETS")) {  // EXPERIMENT (temporary)
     params.uncached_offsets = std::string(offsets) == "global";
   }
+  if (const char* tiles = std::getenv("PRIMEMOE_GEMM_TILES")) {  // EXPERIMENT (temporary)
+    params.consumers_walk = std::string(tiles) == "walk";
+  }
   if (const char* trace = std::getenv("PRIMEMOE_GEMM_TRACE")) {  // EXPERIMENT (temporary)
     params.trace = reinterpret_cast<unsigned long long*>(std::strtoull(trace, nullptr, 0));
   }

@@ -21,6 +21,7 @@ struct GemmParams {
   bool pair_rows;         // kRows: launched as 2-CTA clusters over pairs of row blocks (GemmConfig)
   bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
   bool uncached_offsets;  // EXPERIMENT (temporary): PRIMEMOE_GEMM_OFFSETS=global walks args.expert_offsets in place
+  bool consumers_walk;    // EXPERIMENT (temporary): PRIMEMOE_GEMM_TILES=walk: the consumers walk the tiles themselves
   // EXPERIMENT (temporary): per-tile records (PRIMEMOE_GEMM_TRACE=<device address>), kTraceTiles of kTraceValues per
   // CTA, in tile order: tile index, taken, first stage full, mainloop done, tile done (globaltimer ns, consumer
   // warpgroup 0), ns that warpgroup waited for filled stages after the first, and ns the producer waited for empty

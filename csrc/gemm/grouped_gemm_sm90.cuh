@@ -11,9 +11,8 @@
 // runs wgmma straight from shared memory, and hands its epilogue to TMA stores through
 // swizzled shared-memory boxes (they drain while the next tile's mainloop runs; in every variant but FC2
 // dgrad, a tile's last round of boxes is written during the next tile's first k-slice).
-// Producer and consumers walk the same tile sequence, so the ring's stage/phase
-// counters stay in step; in the claimed tile order (GemmConfig::claim_tiles) the producer passes
-// each tile index to the consumers, otherwise they need no other communication. With paired row
+// The producer walks the tile sequence and passes each tile, decoded, to the consumers (so the ring's
+// stage/phase counters stay in step, in either tile order); the consumers never walk it themselves. With paired row
 // blocks (GemmConfig::pair_rows) the CTAs of a 2-CTA cluster take two row blocks of one column tile,
 // and where both are one expert's, each producer loads half of the weight tile into both CTAs
 // (TMA multicast) once both CTAs' consumers have released the stage; the consumers do not change. An expert's last
@@ -85,8 +84,8 @@ struct SharedStorage {
   bfloat16_t staging[2][Boxes * 64 * 64];
   uint64_t full[Stages];
   uint64_t empty[Stages];
-  // Claimed tile order (gemm_claims_tiles): the producer passes each tile index to the consumers.
-  int64_t tile_index[2];
+  // The producer passes each tile, decoded, to the consumers (TileSlot words, two-slot ring).
+  alignas(16) int32_t tile_slot[2][8];
   uint64_t tile_full[2];
   uint64_t tile_empty[2];
   // Split half tiles: warpgroup 1's partial sums are in its staging boxes (exchange_full) / read (exchange_empty).
@@ -376,7 +375,7 @@ struct TileWalker {
   const GroupedGemmArgs& args;
   int32_t n_tiles;
   int32_t m_tiles;
-  int64_t total;
+  uint32_t total;  // < 2^31 (grouped_gemm_supported), so that indices past it fit 32 bits too
   int32_t routed_rows = 0;
   int32_t expert = 0;
   int32_t expert_block = 0;  // kRows: index of the first row block of `expert`
@@ -405,18 +404,18 @@ struct TileWalker {
       routed_rows = offset(a.num_experts);
       const int64_t rows = a.skip_unrouted_rows ? min(int64_t(routed_rows), a.num_rows) : a.num_rows;
       row_blocks += (max(rows - routed_rows, int64_t(0)) + kGemmTileM - 1) / kGemmTileM;
-      total = row_blocks * n_tiles;
+      total = uint32_t(row_blocks * n_tiles);
     } else {
       m_tiles = a.m / kGemmTileM;
-      total = int64_t(a.num_experts) * m_tiles * n_tiles;
+      total = uint32_t(int64_t(a.num_experts) * m_tiles * n_tiles);
     }
   }
 
-  __device__ Tile at(int64_t t) {
+  __device__ Tile at(uint32_t t) {
     Tile tile;
     if constexpr (S == GemmSchedule::kRows) {
-      const int32_t block = int32_t(t / n_tiles);
-      const int32_t n_tile = int32_t(t % n_tiles);
+      const int32_t block = int32_t(t / uint32_t(n_tiles));
+      const int32_t n_tile = int32_t(t % uint32_t(n_tiles));
       while (expert < args.num_experts) {
         const int32_t b = blocks(offset(expert + 1) - offset(expert));
         if (block < expert_block + b) break;
@@ -429,7 +428,7 @@ struct TileWalker {
       const int32_t rows = min(kGemmTileM, offset(expert + 1) - m0);
       tile = {expert, m0, n_tile, 0, args.k / kGemmTileK, rows, split_halves && rows <= kGemmRowAlign};
     } else {
-      const int64_t per_expert = int64_t(m_tiles) * n_tiles;
+      const uint32_t per_expert = uint32_t(m_tiles * n_tiles);
       const int32_t e = int32_t(t / per_expert);
       const int32_t r = int32_t(t % per_expert);
       const int32_t begin = args.expert_offsets[e];
@@ -471,11 +470,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], GatherA ? 129 : 1);
       cutlass::arch::ClusterBarrier::init(&smem.empty[s], 8);  // one arrival per consumer warp
     }
-    if constexpr (gemm_claims_tiles(S, E, GatherA)) {
-      for (int s = 0; s < 2; ++s) {
-        cutlass::arch::ClusterBarrier::init(&smem.tile_full[s], 1);
-        cutlass::arch::ClusterBarrier::init(&smem.tile_empty[s], 8);  // one arrival per consumer warp
-      }
+    for (int s = 0; s < 2; ++s) {
+      cutlass::arch::ClusterBarrier::init(&smem.tile_full[s], 1);
+      cutlass::arch::ClusterBarrier::init(&smem.tile_empty[s], 8);  // one arrival per consumer warp
     }
     if constexpr (Pipeline<S, E>::kSplitHalves) {
       cutlass::arch::ClusterBarrier::init(&smem.exchange_full, 128);  // one arrival per thread
@@ -517,44 +514,47 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // cluster-count-th pair of row blocks 2q and 2q + 1 in one column tile, of which this CTA takes the one its rank in
   // the cluster names. Past the last real tile of the sequence comes none (a CTA of rank 1 stops where the row
   // blocks are odd in number). Lambdas, so that nothing of this is held in registers across the mainloop.
-  auto pair_tile = [&](int32_t pair) {  // < 2^31 tiles: grouped_gemm_supported bounds them
-    return int64_t(2 * (pair / walker.n_tiles) + int32_t(cluster_rank())) * walker.n_tiles + pair % walker.n_tiles;
+  auto pair_tile = [&](uint32_t pair) {
+    const uint32_t n = walker.n_tiles;
+    return (2 * (pair / n) + cluster_rank()) * n + pair % n;
   };
-  auto first_tile = [&]() -> int64_t {
+  auto first_tile = [&]() -> uint32_t {
     if constexpr (kPairs) {
       if (p.pair_rows) return pair_tile(blockIdx.x / 2);
     }
     return blockIdx.x;
   };
-  auto next_tile = [&](int64_t t) -> int64_t {
+  auto next_tile = [&](uint32_t t) -> uint32_t {
     if constexpr (kPairs) {
       if (p.pair_rows) {
-        const int32_t n = walker.n_tiles;
-        return pair_tile(int32_t(t) / n / 2 * n + int32_t(t) % n + int32_t(gridDim.x / 2));
+        const uint32_t n = walker.n_tiles;
+        return pair_tile(t / n / 2 * n + t % n + gridDim.x / 2);
       }
     }
     return t + gridDim.x;
   };
-  // The claimed index goes from the producer to the consumers through a two-slot ring: the n-th tile
-  // uses slot n % 2 at parity n / 2 % 2 (the index past the last tile, too, so that everyone stops).
-  // CUTLASS's barrier wait and arrive carry no memory clobber: the empty asm statements keep the
-  // compiler from moving the index's store or load across them.
-  auto pass_tile = [&](uint32_t n, int64_t t) {
+  // Each tile goes from the producer to the consumers decoded, with its index in the sequence (-1: past the last
+  // tile, so that everyone stops), through a two-slot ring: the n-th tile uses slot n % 2 at parity n / 2 % 2. The
+  // producer's walk is ahead of the consumers; theirs, at every tile boundary, kept both consumer warpgroups and the
+  // tensor cores waiting ~0.8 us per tile (benchmarks/RESULTS.md, twenty-second session).
+  auto pass_tile = [&](uint32_t n, int32_t index, const Tile& tile) {
     const int slot = n & 1;
+    const uint32_t at = smem_addr(smem.tile_slot[slot]);
     cutlass::arch::ClusterBarrier::wait(&smem.tile_empty[slot], ((n >> 1) & 1) ^ 1);
-    asm volatile("" ::: "memory");
-    smem.tile_index[slot] = t;
-    asm volatile("" ::: "memory");
+    st_shared_v4(at, make_uint4(tile.expert, tile.m0, tile.n_tile, tile.k_begin));
+    st_shared_v4(at + 16, make_uint4(tile.k_tiles, tile.rows, tile.split, index));
     cutlass::arch::ClusterBarrier::arrive(&smem.tile_full[slot]);
   };
-  auto take_tile = [&](uint32_t n) {
+  auto take_tile = [&](uint32_t n, int32_t& index) {
     const int slot = n & 1;
+    const uint32_t at = smem_addr(smem.tile_slot[slot]);
     cutlass::arch::ClusterBarrier::wait(&smem.tile_full[slot], (n >> 1) & 1);
-    asm volatile("" ::: "memory");
-    const int64_t t = smem.tile_index[slot];
+    const uint4 w0 = ld_shared_v4(at);
+    const uint4 w1 = ld_shared_v4(at + 16);
     __syncwarp();
     if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.tile_empty[slot]);
-    return t;
+    index = int32_t(w1.w);
+    return Tile{int32_t(w0.x), int32_t(w0.y), int32_t(w0.z), int32_t(w0.w), int32_t(w1.x), int32_t(w1.y), w1.z != 0};
   };
 
   if (warpgroup == 0) {
@@ -614,7 +614,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const auto* tokens = static_cast<const __nv_bfloat16*>(args.a);
     RingPos<kStages> pos;
     int32_t ready_expert = -1;
-    uint32_t passed = 0;  // claimed order: tiles passed to the consumers
+    uint32_t passed = 0;  // tiles passed to the consumers
     int32_t produced = 0;  // EXPERIMENT (temporary): GemmParams::trace
     auto producer_now = [] {
       unsigned long long ns;
@@ -628,7 +628,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     bool peer_stopped = false;
     if constexpr (kPairs)
       peer_stopped = claimed && p.pair_rows && cluster_rank() == 0 && first_tile() + walker.n_tiles >= walker.total;
-    auto claim_next = [&]() -> int64_t {
+    auto claim_next = [&]() -> uint32_t {
       if constexpr (kPairs) {
         if (p.pair_rows) {
           const int slot = handoffs & 1;
@@ -652,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           return pair_tile(work);
         }
       }
-      return int64_t(gridDim.x) + atomicAdd(args.tile_counter, 1);
+      return gridDim.x + uint32_t(atomicAdd(args.tile_counter, 1));
     };
     // EXPERIMENT (temporary): GemmParams::trace, when the claim of tile `produced` began and returned.
     auto stamp = [&](int j) {
@@ -662,14 +662,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     };
     auto timed_claim = [&]() {
       stamp(7);
-      const int64_t t = claim_next();
+      const uint32_t t = claim_next();
       stamp(8);
       return t;
     };
-    for (int64_t t = first_tile();; t = claimed ? timed_claim() : next_tile(t)) {
-      if (claimed) pass_tile(passed++, t);
-      if (t >= walker.total) break;
-      const Tile tile = walker.at(t);
+    for (uint32_t t = first_tile();; t = claimed ? timed_claim() : next_tile(t)) {
+      const bool past_last = t >= walker.total;
+      const Tile tile = past_last ? Tile{} : walker.at(t);
+      if (ptid == 0 && (claimed || !p.consumers_walk)) pass_tile(passed++, past_last ? -1 : int32_t(t), tile);
+      if (past_last) break;
       // Both CTAs of a pair see that its two blocks are one routed expert's (then they share its weight tile).
       bool shared = false;
       if constexpr (kPairs) {
@@ -907,7 +908,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
-  uint32_t taken = 0;  // claimed order: tiles taken from the handoff
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
   // EXPERIMENT (temporary): GemmParams::trace. Each value goes to memory at once, so nothing is held across the
   // mainloop.
@@ -921,12 +921,26 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
     return ns;
   };
-  for (int64_t t = first_tile();; t = next_tile(t)) {
+  // EXPERIMENT (temporary): GemmParams::consumers_walk, the static order's n-th tile.
+  auto nth_static_tile = [&](uint32_t n) -> uint32_t {
+    if constexpr (kPairs) {
+      if (p.pair_rows) return pair_tile(blockIdx.x / 2 + n * (gridDim.x / 2));
+    }
+    return blockIdx.x + n * gridDim.x;
+  };
+  for (uint32_t taken = 0;; ++taken) {
     if (tracing && traced > 0) trace_at(traced - 1, 4) = now();
-    if (claimed) t = take_tile(taken++);
+    int32_t t;
+    Tile tile;
+    if (claimed || !p.consumers_walk) {
+      tile = take_tile(taken, t);
+    } else {
+      const uint32_t t_static = nth_static_tile(taken);
+      t = t_static < walker.total ? int32_t(t_static) : -1;
+    }
     if (tracing && traced < kTraceTiles) trace_at(traced, 9) = now();
-    if (t >= walker.total) break;
-    const Tile tile = walker.at(t);
+    if (t < 0) break;
+    if (p.consumers_walk) tile = walker.at(t);
     if (tracing && traced < kTraceTiles) {
       trace_at(traced, 0) = t;
       trace_at(traced, 1) = now();
