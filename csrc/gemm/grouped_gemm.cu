@@ -3,8 +3,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "grouped_gemm_launch.cuh"
 
@@ -184,15 +182,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
-  if (const char* offsets = std::getenv("PRIMEMOE_GEMM_OFFSETS")) {  // EXPERIMENT (temporary)
-    params.uncached_offsets = std::string(offsets) == "global";
-  }
-  if (const char* tiles = std::getenv("PRIMEMOE_GEMM_TILES")) {  // EXPERIMENT (temporary)
-    params.consumers_walk = std::string(tiles) == "walk";
-  }
-  if (const char* trace = std::getenv("PRIMEMOE_GEMM_TRACE")) {  // EXPERIMENT (temporary)
-    params.trace = reinterpret_cast<unsigned long long*>(std::strtoull(trace, nullptr, 0));
-  }
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstddef>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -71,12 +70,6 @@ struct Pipeline {
   static constexpr bool kSplitHalves = S == GemmSchedule::kRows && kStages % 2 == 0;
 };
 
-// The kRows walk reads its expert's offsets at every tile boundary, where a global load's round trip through
-// an L2 busy with the mainloops' operands keeps both consumer warpgroups (and the tensor cores) waiting: ~0.7 us
-// per tile, 1.7% of FC1's and 4% of FC2's time at Qwen3-235B T = 8192 (benchmarks/RESULTS.md, twenty-first
-// session). So they are copied to shared memory once per CTA, for up to 256 experts (DeepSeek-V3's count).
-constexpr int kCachedOffsets = 257;
-
 template <int Stages, int Boxes>
 struct SharedStorage {
   bfloat16_t a[Stages * kSubTileElems];
@@ -84,7 +77,7 @@ struct SharedStorage {
   bfloat16_t staging[2][Boxes * 64 * 64];
   uint64_t full[Stages];
   uint64_t empty[Stages];
-  // The producer passes each tile, decoded, to the consumers (TileSlot words, two-slot ring).
+  // The producer passes each tile, decoded, to the consumers (pass_tile in the kernel: a two-slot ring).
   alignas(16) int32_t tile_slot[2][8];
   uint64_t tile_full[2];
   uint64_t tile_empty[2];
@@ -104,8 +97,6 @@ struct SharedStorage {
   uint64_t act_full[2];
   uint64_t act_empty[2];
   int32_t act_job[2][2];
-  // kRows: args.expert_offsets, where num_experts < kCachedOffsets (see TileWalker).
-  int32_t expert_offsets[kCachedOffsets];
 };
 
 template <GemmSchedule S, GemmEpilogue E>
@@ -340,21 +331,6 @@ struct RingPos {
   }
 };
 
-// The kernels' dynamic shared memory: SharedStorageOf<S, E> at its first 1 KiB boundary (swizzle atoms).
-extern __shared__ uint8_t gemm_smem_raw[];
-
-template <GemmSchedule S, GemmEpilogue E>
-__device__ __forceinline__ uint32_t cached_offsets_addr() {
-  using Storage = SharedStorageOf<S, E>;
-  return ((smem_addr(gemm_smem_raw) + 1023u) & ~1023u) + uint32_t(offsetof(Storage, expert_offsets));
-}
-
-// Whether the kRows walk reads the experts' offsets from their copy in shared memory (kCachedOffsets).
-template <GemmSchedule S, GemmEpilogue E>
-__device__ __forceinline__ bool offsets_cached(const GemmParams& p) {
-  return S == GemmSchedule::kRows && p.args.num_experts < kCachedOffsets && !p.uncached_offsets;  // EXPERIMENT
-}
-
 struct Tile {
   int32_t expert;
   int32_t m0;       // kRows: first row; kExperts: first output row of the expert's block
@@ -365,7 +341,7 @@ struct Tile {
   bool split;       // a half tile split along K between the consumers (see Pipeline::kSplitHalves)
 };
 
-// The tile sequence, identical for producer and consumers. kRows: (row block, column
+// The tile sequence, walked by the producer. kRows: (row block, column
 // tile), row blocks in order (each expert's rows in 128-row blocks, its last block 64 rows
 // when its padded count is an odd multiple of 64). `at` only moves its expert cursor forward:
 // each CTA must ask for increasing tile indices (both tile orders do).
@@ -380,28 +356,19 @@ struct TileWalker {
   int32_t expert = 0;
   int32_t expert_block = 0;  // kRows: index of the first row block of `expert`
   bool split_halves;         // GemmConfig::split_half_tiles, where the ring depth allows it
-  const GemmParams& params;
 
   __device__ static int32_t blocks(int32_t rows) { return (rows + kGemmTileM - 1) / kGemmTileM; }
 
-  // kRows: expert e's first row, from the copy in shared memory where there is one (offsets_cached). The copy's
-  // address is recomputed from the symbol each time, so that no register holds it across the mainloops.
-  __device__ int32_t offset(int32_t e) const {
-    if (offsets_cached<S, E>(params)) return int32_t(ld_shared(cached_offsets_addr<S, E>() + 4u * uint32_t(e)));
-    return args.expert_offsets[e];
-  }
-
-  __device__ TileWalker(const GemmParams& p)
-      : args(p.args), split_halves(Pipeline<S, E>::kSplitHalves && p.split_half_tiles), params(p) {
-    const GroupedGemmArgs& a = args;
+  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles)
+      : args(a), split_halves(Pipeline<S, E>::kSplitHalves && split_half_tiles) {
     n_tiles = a.n / gemm_tile_n(E);
     if constexpr (S == GemmSchedule::kRows) {
       // Every allocated row gets a tile: rows past the last expert are written as zeros, so no
       // output element is left undefined; unless the caller reads only the routed rows.
       m_tiles = 0;
       int64_t row_blocks = 0;
-      for (int32_t e = 0; e < a.num_experts; ++e) row_blocks += blocks(offset(e + 1) - offset(e));
-      routed_rows = offset(a.num_experts);
+      for (int32_t e = 0; e < a.num_experts; ++e) row_blocks += blocks(a.expert_offsets[e + 1] - a.expert_offsets[e]);
+      routed_rows = a.expert_offsets[a.num_experts];
       const int64_t rows = a.skip_unrouted_rows ? min(int64_t(routed_rows), a.num_rows) : a.num_rows;
       row_blocks += (max(rows - routed_rows, int64_t(0)) + kGemmTileM - 1) / kGemmTileM;
       total = uint32_t(row_blocks * n_tiles);
@@ -417,15 +384,15 @@ struct TileWalker {
       const int32_t block = int32_t(t / uint32_t(n_tiles));
       const int32_t n_tile = int32_t(t % uint32_t(n_tiles));
       while (expert < args.num_experts) {
-        const int32_t b = blocks(offset(expert + 1) - offset(expert));
+        const int32_t b = blocks(args.expert_offsets[expert + 1] - args.expert_offsets[expert]);
         if (block < expert_block + b) break;
         expert_block += b;
         ++expert;
       }
-      const int32_t m0 = (expert < args.num_experts ? offset(expert) : routed_rows) +
+      const int32_t m0 = (expert < args.num_experts ? args.expert_offsets[expert] : routed_rows) +
                          (block - expert_block) * kGemmTileM;
       if (expert == args.num_experts) return {expert, m0, n_tile, 0, 0, kGemmTileM, false};
-      const int32_t rows = min(kGemmTileM, offset(expert + 1) - m0);
+      const int32_t rows = min(kGemmTileM, args.expert_offsets[expert + 1] - m0);
       tile = {expert, m0, n_tile, 0, args.k / kGemmTileK, rows, split_halves && rows <= kGemmRowAlign};
     } else {
       const uint32_t per_expert = uint32_t(m_tiles * n_tiles);
@@ -452,16 +419,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool AKMajor = S == GemmSchedule::kRows;
   const GroupedGemmArgs& args = p.args;
+  extern __shared__ uint8_t smem_raw[];
   constexpr int kStages = Pipeline<S, E>::kStages;
   constexpr bool kPairs = gemm_pairs_rows(S, BKMajor, GatherA);
-  // EXPERIMENT (temporary): GemmParams::trace, in the forward's row GEMMs only (elsewhere its registers spill).
-  constexpr bool kTrace = S == GemmSchedule::kRows && BKMajor && !GatherA;
   // FC1's activation by two warps of the producer warpgroup (one per consumer warpgroup), off the consumers'
   // critical path: see the epilogue.
   constexpr bool kActWarps = gemm_activation_warps(S, E, GatherA);
   const bool act_warps = kActWarps && p.activation_warps;
   auto& smem =
-      *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(gemm_smem_raw) + 1023) & ~uintptr_t(1023));
+      *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -494,9 +460,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     cutlass::arch::fence_barrier_init();
   }
-  if (offsets_cached<S, E>(p)) {
-    for (int i = threadIdx.x; i <= args.num_experts; i += kThreads) smem.expert_offsets[i] = args.expert_offsets[i];
-  }
   // Paired: the peer arrives on this CTA's barriers and writes its stages only once they are initialised.
   if (kPairs && p.pair_rows) {
     cluster_sync();
@@ -504,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     __syncthreads();
   }
 
-  TileWalker<S, E> walker(p);
+  TileWalker<S, E> walker(args, p.split_half_tiles);
   // Tile order: every grid-th tile (static), or claimed from a global counter as the producer gets to
   // it (GemmConfig::claim_tiles), which keeps CTAs near each other in the tile sequence when tiles
   // differ in length. Both give the same bits: a tile's result does not depend on which CTA
@@ -534,9 +497,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     return t + gridDim.x;
   };
   // Each tile goes from the producer to the consumers decoded, with its index in the sequence (-1: past the last
-  // tile, so that everyone stops), through a two-slot ring: the n-th tile uses slot n % 2 at parity n / 2 % 2. The
-  // producer's walk is ahead of the consumers; theirs, at every tile boundary, kept both consumer warpgroups and the
-  // tensor cores waiting ~0.8 us per tile (benchmarks/RESULTS.md, twenty-second session).
+  // tile, so that everyone stops), through a two-slot ring: the n-th tile uses slot n % 2 at parity n / 2 % 2.
+  // The producer walks ahead of the consumers; when the consumers walked the sequence themselves, at every tile
+  // boundary, both consumer warpgroups and the tensor cores waited ~0.8 us for it (benchmarks/RESULTS.md,
+  // twenty-second session).
   auto pass_tile = [&](uint32_t n, int32_t index, const Tile& tile) {
     const int slot = n & 1;
     const uint32_t at = smem_addr(smem.tile_slot[slot]);
@@ -558,8 +522,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   };
 
   if (warpgroup == 0) {
-    // Exactly what the consumers take: setmaxnreg grows them only from registers the producer gave back.
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    // Exactly what the consumers take: setmaxnreg grows them only from registers the producer gave back. The
+    // gathering producer's 128 threads hold more (40 made them spill), and its consumers fit in 224.
+    cutlass::arch::warpgroup_reg_dealloc<GatherA ? 48 : 40>();
     const int ptid = threadIdx.x;
     if (act_warps && ptid >= 32 && ptid < 96) {
       // Activation warp of consumer warpgroup w: per job, the 64 x 64 gate and up boxes go to h by TMA (when
@@ -615,12 +580,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     RingPos<kStages> pos;
     int32_t ready_expert = -1;
     uint32_t passed = 0;  // tiles passed to the consumers
-    int32_t produced = 0;  // EXPERIMENT (temporary): GemmParams::trace
-    auto producer_now = [] {
-      unsigned long long ns;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-      return ns;
-    };
     uint32_t pair_phases = 0;  // paired: bit s is the parity of pair_empty[s]'s next phase
     // Paired and claimed: rank 0 claims each pair and passes it to rank 1 until rank 1's block of it does not exist
     // (past the last row block), after which rank 1 has stopped. handoffs counts the pairs passed / taken.
@@ -654,22 +613,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       return gridDim.x + uint32_t(atomicAdd(args.tile_counter, 1));
     };
-    // EXPERIMENT (temporary): GemmParams::trace, when the claim of tile `produced` began and returned.
-    auto stamp = [&](int j) {
-      if (kTrace && p.trace != nullptr && produced < kTraceTiles) {
-        p.trace[(int64_t(blockIdx.x) * kTraceTiles + produced) * kTraceValues + j] = producer_now();
-      }
-    };
-    auto timed_claim = [&]() {
-      stamp(7);
-      const uint32_t t = claim_next();
-      stamp(8);
-      return t;
-    };
-    for (uint32_t t = first_tile();; t = claimed ? timed_claim() : next_tile(t)) {
+    for (uint32_t t = first_tile();; t = claimed ? claim_next() : next_tile(t)) {
       const bool past_last = t >= walker.total;
       const Tile tile = past_last ? Tile{} : walker.at(t);
-      if (ptid == 0 && (claimed || !p.consumers_walk)) pass_tile(passed++, past_last ? -1 : int32_t(t), tile);
+      if (ptid == 0) pass_tile(passed++, past_last ? -1 : int32_t(t), tile);
       if (past_last) break;
       // Both CTAs of a pair see that its two blocks are one routed expert's (then they share its weight tile).
       bool shared = false;
@@ -677,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t block = int32_t(t / walker.n_tiles);
         if (p.pair_rows && tile.expert < args.num_experts) {
           const int32_t expert_blocks =
-              walker.blocks(walker.offset(tile.expert + 1) - walker.offset(tile.expert));
+              walker.blocks(args.expert_offsets[tile.expert + 1] - args.expert_offsets[tile.expert]);
           shared = cluster_rank() == 0 ? block + 1 < walker.expert_block + expert_blocks : block > walker.expert_block;
         }
       }
@@ -691,30 +638,22 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         ready_expert = tile.expert;
       }
       // Gathered A: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i, so each warp
-      // instruction moves 4 whole 128-byte row segments. The token of each (-1: padding, zeros).
+      // instruction moves 4 whole 128-byte row segments. The token of row i (-1: padding, zeros), looked up again
+      // per k-slice (cached in L1): eight tokens held across the k-slices made the producer spill.
       // A half tile's 64 rows fill both halves of the A tile (see the consumers).
-      int32_t token[8];
-      if (GatherA && tile.k_tiles > 0) {
-        CUTE_UNROLL
-        for (int i = 0; i < 8; ++i) {
-          const int32_t slot = args.a_row_src[tile.m0 + (ptid / 8 + 16 * i) % tile.rows];
-          token[i] = slot >= 0 ? slot / args.a_src_div : -1;
-        }
-      }
-      uint32_t empty_wait = 0;  // EXPERIMENT (temporary): GemmParams::trace
+      auto token = [&](int i) {
+        const int32_t slot = args.a_row_src[tile.m0 + (ptid / 8 + 16 * i) % tile.rows];
+        return slot >= 0 ? slot / args.a_src_div : -1;
+      };
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
-        const unsigned long long empty_from = kTrace && p.trace != nullptr ? producer_now() : 0;
         cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], pos.phase ^ 1);
-        if (kTrace && p.trace != nullptr) empty_wait += uint32_t(producer_now() - empty_from);
         if (shared) {
           // The peer's stage is written too: its consumers must be done with it as well. Each producer arrives on the
           // other's pair_empty once its own consumers are, so a stage's next use waits for this one's on both sides.
           arrive_remote(&smem.pair_empty[stage], cluster_rank() ^ 1);
-          const unsigned long long pair_from = kTrace && p.trace != nullptr ? producer_now() : 0;
           cutlass::arch::ClusterBarrier::wait(&smem.pair_empty[stage], (pair_phases >> stage) & 1);
-          if (kTrace && p.trace != nullptr) empty_wait += uint32_t(producer_now() - pair_from);
           pair_phases ^= 1u << stage;
         }
         const int32_t k0 = tile.k_begin + kt * kGemmTileK;
@@ -754,18 +693,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           const uint32_t dst = smem_addr(sa) + swizzled(ptid / 8, 8 * chunk);
           CUTE_UNROLL
           for (int i = 0; i < 8; ++i) {
-            const bool real = token[i] >= 0;
-            cp_async_16(dst + 16 * 128 * i, real ? tokens + int64_t(token[i]) * args.k + k0 + 8 * chunk : tokens,
-                        real ? 16 : 0);
+            const int32_t src = token(i);
+            cp_async_16(dst + 16 * 128 * i, src >= 0 ? tokens + int64_t(src) * args.k + k0 + 8 * chunk : tokens,
+                        src >= 0 ? 16 : 0);
           }
           cp_async_arrive(bar);
         }
         pos.step(1);
       }
-      if (kTrace && p.trace != nullptr && produced < kTraceTiles) {
-        p.trace[(int64_t(blockIdx.x) * kTraceTiles + produced) * kTraceValues + 6] = empty_wait;
-      }
-      ++produced;
     }
     if constexpr (kPairs) {
       // Rank 1 gives back every handoff but the last; the one before the last is waited for by no later handoff,
@@ -778,7 +713,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<GatherA ? 224 : 232>();
   const int ct = threadIdx.x - 128;
   const int wg = ct / 128;
   const int wtid = ct % 128;
@@ -909,46 +844,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
-  // EXPERIMENT (temporary): GemmParams::trace. Each value goes to memory at once, so nothing is held across the
-  // mainloop.
-  const bool tracing = kTrace && p.trace != nullptr && wg == 0 && wtid == 0;
-  int32_t traced = 0;
-  auto trace_at = [&](int32_t i, int j) -> unsigned long long& {
-    return p.trace[(int64_t(blockIdx.x) * kTraceTiles + i) * kTraceValues + j];
-  };
-  auto now = [] {
-    unsigned long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    return ns;
-  };
-  // EXPERIMENT (temporary): GemmParams::consumers_walk, the static order's n-th tile.
-  auto nth_static_tile = [&](uint32_t n) -> uint32_t {
-    if constexpr (kPairs) {
-      if (p.pair_rows) return pair_tile(blockIdx.x / 2 + n * (gridDim.x / 2));
-    }
-    return blockIdx.x + n * gridDim.x;
-  };
   for (uint32_t taken = 0;; ++taken) {
-    if (tracing && traced > 0) trace_at(traced - 1, 4) = now();
     int32_t t;
-    Tile tile;
-    if (claimed || !p.consumers_walk) {
-      tile = take_tile(taken, t);
-    } else {
-      const uint32_t t_static = nth_static_tile(taken);
-      t = t_static < walker.total ? int32_t(t_static) : -1;
-    }
-    if (tracing && traced < kTraceTiles) trace_at(traced, 9) = now();
+    const Tile tile = take_tile(taken, t);
     if (t < 0) break;
-    if (p.consumers_walk) tile = walker.at(t);
-    if (tracing && traced < kTraceTiles) {
-      trace_at(traced, 0) = t;
-      trace_at(traced, 1) = now();
-      if (tile.k_tiles > 0) {
-        cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-        trace_at(traced, 2) = now();
-      }
-    }
     // A half tile: split along K (kSplitHalves and GemmConfig), else multiplied as a full tile
     // whose second 64 rows (the next expert's, or past the layout) warpgroup 1 does not store.
     const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
@@ -1001,12 +900,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     int prev_stage = -1;
     RingPos<kStages> pos = ring;
     pos.step(kt_first);
-    uint32_t starved = 0;  // EXPERIMENT (temporary): ns waited for filled stages after the first
     auto k_slice = [&](int32_t kt, auto submits) {
       const int stage = pos.stage;
-      const unsigned long long wait_from = tracing ? now() : 0;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
-      if (tracing) starved += uint32_t(now() - wait_from);
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       CUTE_UNROLL
@@ -1047,10 +943,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_fence_operand(acc);
     if (prev_stage >= 0) release(prev_stage, arrivals);
     ring.advance(tile.k_tiles);
-    if (tracing && traced < kTraceTiles) {
-      trace_at(traced, 5) = starved;
-      trace_at(traced++, 3) = now();
-    }
     // This warpgroup had no k-slice in the tile.
     if (kDeferred && holding) {
       if (kActWarps && act_warps) {
