@@ -47,15 +47,21 @@ def both(counts, shape, seed):
     return gpu, cpu
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("counts", COUNTS)
-def test_forward_ops_match_cpu(counts, shape):
-    gpu, cpu = both(counts, shape, seed=1)
+def fc1_matches_cpu(gpu, cpu):
+    """FC1 on poisoned outputs against the CPU kernel; returns the GPU's (a, h)."""
     poison_caching_allocator()
     a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
     a_ref, h_ref = ops.fc1_swiglu(cpu.xs, cpu.w1, cpu.offsets, True)
     assert_rows_close("fc1 h", h, h_ref)
     assert_rows_close("fc1 a", a, a_ref)
+    return a, h
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("counts", COUNTS)
+def test_forward_ops_match_cpu(counts, shape):
+    gpu, cpu = both(counts, shape, seed=1)
+    a, h = fc1_matches_cpu(gpu, cpu)
     a_only, h_none = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)
     assert h_none.shape[0] == 0 and torch.equal(a_only, a)
     o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False)
@@ -72,11 +78,7 @@ def test_half_tiles_with_odd_k_slices(k):
     counts = [1, 129, 300] * 60
     gpu = engine_operands(counts, k, 128, seed=7, device="cuda")
     cpu = engine_operands(counts, k, 128, seed=7)
-    poison_caching_allocator()
-    a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-    a_ref, h_ref = ops.fc1_swiglu(cpu.xs, cpu.w1, cpu.offsets, True)
-    assert_rows_close("fc1 h", h, h_ref)
-    assert_rows_close("fc1 a", a, a_ref)
+    fc1_matches_cpu(gpu, cpu)
     o = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False, gpu.row_weight)
     assert_rows_close("weighted", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
 
@@ -381,10 +383,6 @@ def test_forward_ops_with_hundreds_of_experts(monkeypatch, experts, order):
     counts = [0 if e % 5 == 0 else (37 * e) % 200 for e in range(experts)]
     gpu = engine_operands(counts, 256, 256, seed=31, device="cuda")
     cpu = engine_operands(counts, 256, 256, seed=31)
-    poison_caching_allocator()
-    a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-    a_ref, h_ref = ops.fc1_swiglu(cpu.xs, cpu.w1, cpu.offsets, True)
-    assert_rows_close("fc1 h", h, h_ref)
-    assert_rows_close("fc1 a", a, a_ref)
+    fc1_matches_cpu(gpu, cpu)
     o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight)
     assert_rows_close("fc2 weighted", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu.row_weight))
