@@ -173,7 +173,7 @@ def merged_tail_rows(offsets):
                                                    ([0, 0, 5000, 0], 2048, 1536), ([129], 256, 256)])
 def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, order):
     """An expert's last 64 rows joined to its last full block as one 192-row tile (PRIMEMOE_GEMM_MERGE_TAILS=1):
-    FC1 (h kept and not) and FC2 (weighted and not) against the CPU kernels on poisoned outputs; outside the tails
+    FC1 (h kept and not) and the plain-store GEMM (weighted and not) against the CPU kernels on poisoned outputs; outside the tails
     bitwise those of unmerged tiles (same wgmma sequence), and no launch pairs. One and three k-slices per tile
     (hidden 64, 192: a merged tile's loop runs once), 36 k-slices (2304: ring positions differ from tile to tile),
     several merged tiles per CTA, experts of 64 rows beside them (half tiles), a lone merged tile."""
@@ -189,16 +189,17 @@ def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, order):
         a, h = fc1_matches_cpu(gpu, cpu)
         a_only = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[0]
         assert torch.equal(a_only, a)
+        # The plain-store variant with K = hidden (FC2's own K, inter, is never below 256 here): rows x w1.
         poison_caching_allocator()
-        o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False)
-        assert_rows_close("fc2", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False))
+        o = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False)
+        assert_rows_close("store", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False))
         poison_caching_allocator()
-        ow = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight)
-        assert_rows_close("fc2 weighted", ow, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu.row_weight))
+        ow = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False, gpu.row_weight)
+        assert_rows_close("store weighted", ow, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
         if merge == "1":
             assert ops.paired_gemm_launches(torch.cuda.current_device()) == before, "a merging launch paired"
         runs[merge] = [t.cpu() for t in (a, h, o, ow)]
-    for name, merged, unmerged in zip(("fc1 a", "fc1 h", "fc2", "fc2 weighted"), runs["1"], runs["0"]):
+    for name, merged, unmerged in zip(("fc1 a", "fc1 h", "store", "store weighted"), runs["1"], runs["0"]):
         rows = min(len(tails), merged.shape[0])
         keep = torch.ones(merged.shape[0], dtype=torch.bool)
         keep[:rows] = ~tails[:rows]
