@@ -108,7 +108,7 @@ struct GemmConfig {
   // FC1 (gemm_activation_warps): two producer warps compute the activation from the consumers' pre-activations.
   bool activation_warps;
   // kRows (gemm_merges_tails): an expert's last 64 rows join its last full block as one 192-row tile, whose
-  // k-slices carry the weight slice once for 192 rows. Not with pair_rows; FC1 only with activation_warps.
+  // k-slices carry the weight slice once for 192 rows. Not with pair_rows.
   bool merge_tails;
 };
 

@@ -193,11 +193,6 @@ __device__ __forceinline__ void put_remote(int32_t* slot, uint64_t* bar, int32_t
   arrive_remote_release(bar, rank);
 }
 
-// `count` arrivals by this thread on a barrier of this CTA (release: its earlier accesses come before).
-__device__ __forceinline__ void arrive_count(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
@@ -440,11 +435,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // critical path: see the epilogue.
   constexpr bool kActWarps = gemm_activation_warps(S, E, GatherA);
   const bool act_warps = kActWarps && p.activation_warps;
-  // 192-row tail tiles: their tail rows' A slices go into the staging boxes, one 64-row slice per stage. FC1 hands
-  // their epilogue to the activation warps only.
+  // 192-row tail tiles: their tail rows' A slices go into the staging boxes, one 64-row slice per stage.
   constexpr bool kMerge = gemm_merges_tails(S, E, BKMajor, GatherA);
   static_assert(!kMerge || sizeof(SharedStorageOf<S, E>::staging) == kStages * kBoxBytes, "a tail slice per stage");
-  const bool merge = kMerge && p.merge_tails && (E != GemmEpilogue::kSwiGLU || act_warps);
+  const bool merge = kMerge && p.merge_tails;
   auto& smem =
       *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
@@ -465,8 +459,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if constexpr (kActWarps) {
       for (int w = 0; w < 2; ++w) {
-        // Every thread of the consumer warpgroup arrives twice (a tail tile's job: every thread of both, once).
-        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 256);
+        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 128);  // every thread of the consumer warpgroup
         cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], 32);  // every lane of the activation warp
       }
     }
@@ -852,7 +845,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       asm volatile("" ::: "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    arrive_count(&smem.act_full[wg], 2);
+    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
     ++act_jobs;
   };
   auto submit_job = [&](auto gate_pair, auto up_pair, int32_t rows_at, int32_t col) {
@@ -875,23 +868,57 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
   // A 192-row tile (merge): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along N,
-  // warpgroup w multiplying them by the tile's weight half w (m64n128; FC1: gate, up), their A slices read from the
-  // staging boxes. The boxes go to the producer first (the deferred round and the activation jobs done with them),
-  // and are written again once both warpgroups are done with the last slice; the tail's epilogue comes first.
-  using TailAtom = SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, major<BKMajor>()>;
+  // warpgroup w multiplying them by the tile's weight columns [64 w, + 64) of each 128-column half (m64n64; FC1:
+  // the gate and up columns of the same activation columns), their A slices read from the staging boxes. The boxes
+  // go to the producer first, and come back once both warpgroups are done with the last slice. The deferred round
+  // before the tile and the tail after it go to memory straight from registers: through the boxes, each waited for
+  // an activation job (or a TMA read) with the tensor cores idle, which made merged FC1 tiles slower than the two
+  // tiles they replace.
+  using TailAtom = SM90_64x64x16_F32BF16BF16_SS<GMMA::Major::K, major<BKMajor>()>;
   auto tail_mma = make_tiled_mma(TailAtom{});
   auto thr_tail = tail_mma.get_slice(wtid);
   Tensor sTailA = make_tensor(make_smem_ptr(&smem.staging[0][0]), ring_layout<true, 64, kStages>());
-  Tensor sHalfB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, 128, 2 * kStages>());  // (.., 2 s + j)
+  // The weight tile in 64-row quarters: quarter q of stage s is (.., 4 s + q).
+  Tensor sQuarterB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, 64, 4 * kStages>());
   Tensor tTrA = thr_tail.make_fragment_A(thr_tail.partition_A(sTailA));
-  Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sHalfB));
+  Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sQuarterB));
+  // A bf16 pair of row `row`, columns [col, col + 2) of a [num_rows, ld] output, from registers.
+  auto put_global = [&](void* out, int64_t ld, int32_t row, int32_t col, __nv_bfloat162 v) {
+    if (row < args.num_rows) *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + row * ld + col) = v;
+  };
+  // Value pair (i, i + 1) of a 64-column block: row row0 + frag_row + 8 ((i >> 1) & 1), columns from
+  // col0 + frag_col + 8 (i >> 2).
+  auto pair_row = [&](int32_t row0, int i) { return row0 + frag_row + 8 * ((i >> 1) & 1); };
+  auto pair_col = [&](int32_t col0, int i) { return col0 + frag_col + 8 * (i >> 2); };
+  // FC1's 64 activation columns from bf16 gate and up pairs: h (when kept) and the activation, as the activation
+  // warps write them (the same bits).
+  auto put_swiglu = [&](int32_t row0, int32_t col0, auto gate_pair, auto up_pair) {
+    CUTE_UNROLL
+    for (int i = 0; i < 32; i += 2) {
+      const __nv_bfloat162 g = gate_pair(i);
+      const __nv_bfloat162 u = up_pair(i);
+      const int32_t r = pair_row(row0, i);
+      const int32_t c = pair_col(col0, i);
+      if (args.out_h != nullptr) {
+        put_global(args.out_h, 2 * n, r, c, g);
+        put_global(args.out_h, 2 * n, r, int32_t(n) + c, u);
+      }
+      const float2 gf = __bfloat1622float2(g);
+      const float2 uf = __bfloat1622float2(u);
+      put_global(args.out, n, r, c, pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y));
+    }
+  };
   auto merged_tile = [&](const Tile& tile) {
     if (holding) {
-      if (kActWarps && act_warps) {
-        submit_held();
-      } else {
-        store_held();
+      if (kActWarps && act_warps) {  // an activation job's gate and up pairs
+        put_swiglu(held_row0, held_col, [&](int i) { return held[i / 2]; }, [&](int i) { return held[16 + i / 2]; });
+      } else {  // a round of 128 output columns
+        CUTE_UNROLL
+        for (int i = 0; i < kHalf; i += 2) {
+          put_global(args.out, n, pair_row(held_row0, i), pair_col(held_col, i), held[i / 2]);
+        }
       }
+      holding = false;
     }
     if (kActWarps && act_warps) {
       await_boxes();
@@ -901,8 +928,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
     const int32_t tail_row0 = tile.m0 + kGemmTileM;
-    Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _128>{});
-    CUTE_STATIC_ASSERT_V(size(acc_t) == Int<kHalf>{});
+    Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _64>{});  // columns [64 wg, + 64) of half 0
+    Tensor acc_u = partition_fragment_C(tail_mma, Shape<_64, _64>{});  // and of half 1
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     tail_mma.accumulate_ = GMMA::ScaleOut::Zero;
     RingPos<kStages> pos = ring;
@@ -916,6 +943,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
       warpgroup_fence_operand(acc);
       warpgroup_fence_operand(acc_t);
+      warpgroup_fence_operand(acc_u);
       warpgroup_arrive();
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tCrA); ++kb) {
@@ -924,13 +952,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tTrA); ++kb) {
-        cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 2 * stage + wg), acc_t);
+        cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 4 * stage + wg), acc_t);
+        cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 4 * stage + 2 + wg), acc_u);
         tail_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc);
       warpgroup_fence_operand(acc_t);
+      warpgroup_fence_operand(acc_u);
       if (kt > 0) release(prev_stage, 1);
       prev_stage = stage;
       prev_phase = pos.phase;
@@ -939,45 +969,30 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(acc_t);
+    warpgroup_fence_operand(acc_u);
     release(prev_stage, 1);
     ring.advance(tile.k_tiles);
-    // Both warpgroups' wgmma are done with the staging boxes once the last stage is back.
-    cutlass::arch::ClusterBarrier::wait(&smem.empty[prev_stage], prev_phase);
+    auto pair_of = [](auto& frag, int i) { return pack(frag(i), frag(i + 1)); };
     if constexpr (E == GemmEpilogue::kSwiGLU) {
-      // Job w (the tile's activation columns [64 w, + 64)) in staging boxes w: its gate values from warpgroup 0,
-      // its up values from warpgroup 1. Both activation warps were done before the boxes went to the producer; the
-      // waits say so to compute-sanitizer, which does not follow that through the TMA loads.
-      for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::wait(&smem.act_empty[w], (act_jobs & 1) ^ 1);
-      uint32_t at, swizzle;
-      staging_base(at, swizzle);
-      at += (smem_addr(smem.staging[0]) - slots) + wg * kBoxBytes;
-      CUTE_UNROLL
-      for (int i = 0; i < kHalf; i += 2) {  // values [0, 32): columns [0, 64), job 0; [32, 64): job 1
-        const __nv_bfloat162 v = pack(acc_t(i), acc_t(i + 1));
-        st_shared(at + (i / 32) * 2 * kBoxBytes + pair_offset(i % 32, swizzle), *reinterpret_cast<const uint32_t*>(&v));
-      }
-      if (wtid == 0) {
-        asm volatile("" ::: "memory");
-        smem.act_job[wg][0] = tail_row0;
-        smem.act_job[wg][1] = tile.n_tile * 128 + 64 * wg;
-        asm volatile("" ::: "memory");
-      }
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      cutlass::arch::ClusterBarrier::arrive(&smem.act_full[0]);
-      cutlass::arch::ClusterBarrier::arrive(&smem.act_full[1]);
-      ++act_jobs;
+      put_swiglu(tail_row0, tile.n_tile * 128 + 64 * wg, [&](int i) { return pair_of(acc_t, i); },
+                 [&](int i) { return pair_of(acc_u, i); });
     } else {
       float tail_scale[2] = {1.0f, 1.0f};
       if (args.row_weight != nullptr) {
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) tail_scale[h] = args.row_weight[tail_row0 + frag_row + 8 * h];
       }
-      auto scaled_pair = [&](int v) {
-        const float scale = (v >> 1) & 1 ? tail_scale[1] : tail_scale[0];
-        return pack(acc_t(v) * scale, acc_t(v + 1) * scale);
-      };
-      store_round(Int<0>{}, scaled_pair, tail_row0, tile.n_tile * kGemmTileN + 128 * wg);
+      CUTE_UNROLL
+      for (int i = 0; i < 32; i += 2) {
+        const float scale = (i >> 1) & 1 ? tail_scale[1] : tail_scale[0];
+        const int32_t r = pair_row(tail_row0, i);
+        const int32_t c = pair_col(tile.n_tile * kGemmTileN + 64 * wg, i);
+        put_global(args.out, n, r, c, pack(acc_t(i) * scale, acc_t(i + 1) * scale));
+        put_global(args.out, n, r, c + 128, pack(acc_u(i) * scale, acc_u(i + 1) * scale));
+      }
     }
+    // The boxes are the epilogue's again once both warpgroups' wgmma are done with them (the last stage is back).
+    cutlass::arch::ClusterBarrier::wait(&smem.empty[prev_stage], prev_phase);
   };
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
   for (uint32_t taken = 0;; ++taken) {

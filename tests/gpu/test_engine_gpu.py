@@ -124,7 +124,6 @@ def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, o
     gpu = engine_operands(counts, hidden, 1408, seed=17, device="cuda")
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")  # merged tails need the warps: their sums differ
     ops_under_test = {
         "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
         "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
@@ -173,10 +172,11 @@ def merged_tail_rows(offsets):
                                                    ([0, 0, 5000, 0], 2048, 1536), ([129], 256, 256)])
 def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, order):
     """An expert's last 64 rows joined to its last full block as one 192-row tile (PRIMEMOE_GEMM_MERGE_TAILS=1):
-    FC1 (h kept and not) and the plain-store GEMM (weighted and not) against the CPU kernels on poisoned outputs; outside the tails
-    bitwise those of unmerged tiles (same wgmma sequence), and no launch pairs. One and three k-slices per tile
-    (hidden 64, 192: a merged tile's loop runs once), 36 k-slices (2304: ring positions differ from tile to tile),
-    several merged tiles per CTA, experts of 64 rows beside them (half tiles), a lone merged tile."""
+    FC1 (h kept and not) and the plain-store GEMM (weighted and not) against the CPU kernels on poisoned outputs;
+    outside the tails bitwise those of unmerged tiles (same wgmma sequence), and no launch pairs. One and three
+    k-slices per tile (hidden 64, 192: a merged tile's loop runs once), 36 k-slices (2304: ring positions differ
+    from tile to tile), several merged tiles per CTA, experts of 64 rows beside them (half tiles), a lone merged
+    tile."""
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     gpu = engine_operands(counts, hidden, inter, seed=23, device="cuda")
     cpu = engine_operands(counts, hidden, inter, seed=23)
