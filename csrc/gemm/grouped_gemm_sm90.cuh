@@ -291,7 +291,16 @@ __device__ __forceinline__ __nv_bfloat162 get_pair(uint32_t slots, int box, int 
   return *reinterpret_cast<const __nv_bfloat162*>(&v);
 }
 
-__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
+// This thread's index, read again: values derived from it where it was read last stay in registers in between, which a
+// merged tile's two accumulators (192 registers) do not leave (rarely used ones spilled).
+__device__ __forceinline__ uint32_t fresh_tid() {
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid;
+}
+
+// The consumer warpgroup's named barrier (1 + its index, 128 threads each).
+__device__ __forceinline__ void wg_sync() { asm volatile("bar.sync %0, 128;" ::"r"(fresh_tid() / 128) : "memory"); }
 
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
@@ -305,15 +314,15 @@ __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.com
 __device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
 // Before writing the slots: the previous TMA stores have finished reading them.
-__device__ __forceinline__ void staging_acquire(int wg, int wtid) {
+__device__ __forceinline__ void staging_acquire(int wtid) {
   if (wtid == 0) store_wait_read();
-  wg_sync(wg);
+  wg_sync();
 }
 
 // After writing the slots: make the generic-proxy writes visible to TMA, then one thread stores.
-__device__ __forceinline__ void staging_release(int wg) {
+__device__ __forceinline__ void staging_release() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  wg_sync(wg);
+  wg_sync();
 }
 
 // A position in the ring of stages: the stage, and the parity of its fill there.
@@ -739,11 +748,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   }
 
   cutlass::arch::warpgroup_reg_alloc<GatherA ? 224 : 232>();
-  // The thread index read again: one derived before the role split would be held across it, in the few registers
-  // that the accumulators leave free there (a merged tile's take all but 24 of those below setmaxnreg's).
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int ct = int(tid) - 128;
+  const int ct = int(fresh_tid()) - 128;  // not one from before the role split, held across it
   const int wg = ct / 128;
   const int wtid = ct % 128;
   using MmaAtom = SM90_64x256x16_F32BF16BF16_SS<major<AKMajor>(), major<BKMajor>()>;
@@ -806,7 +811,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // One round: two boxes to columns [col, col + 128) of rows [rows_at, + 64); FC1's round 2 is the activation.
   auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t col) {
     constexpr int r = decltype(round)::value;
-    staging_acquire(wg, wtid);
+    staging_acquire(wtid);
     uint32_t at, swizzle;
     staging_base(at, swizzle);
     CUTE_UNROLL
@@ -814,7 +819,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       const __nv_bfloat162 v = pair(i);
       st_shared(at + pair_offset(i, swizzle), *reinterpret_cast<const uint32_t*>(&v));
     }
-    staging_release(wg);
+    staging_release();
     if (wtid == 0) {
       for (int b = 0; b < 2; ++b) {
         tma_store(E == GemmEpilogue::kSwiGLU && r != 2 ? &p.tma_out2 : &p.tma_out, slots + b * kBoxBytes,
@@ -835,17 +840,20 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // tensor cores idle) nor wait for a TMA store between rounds.
   uint32_t act_jobs = 0;
   // The warpgroup's staging boxes are its own again once its activation warp has finished the last job.
-  auto await_boxes = [&] { cutlass::arch::ClusterBarrier::wait(&smem.act_empty[wg], (act_jobs & 1) ^ 1); };
+  auto await_boxes = [&] {
+    cutlass::arch::ClusterBarrier::wait(&smem.act_empty[fresh_tid() / 128 - 1], (act_jobs & 1) ^ 1);
+  };
   // A job's descriptor (column -1: stop) to the activation warp; the boxes' contents are made visible to TMA first.
   auto post_job = [&](int32_t rows_at, int32_t col) {
+    const int w = fresh_tid() / 128 - 1;
     if (wtid == 0) {
       asm volatile("" ::: "memory");
-      smem.act_job[wg][0] = rows_at;
-      smem.act_job[wg][1] = col;
+      smem.act_job[w][0] = rows_at;
+      smem.act_job[w][1] = col;
       asm volatile("" ::: "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
+    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[w]);
     ++act_jobs;
   };
   auto submit_job = [&](auto gate_pair, auto up_pair, int32_t rows_at, int32_t col) {
@@ -867,55 +875,51 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
+  // Rounds passed between the warpgroups through the exchange mbarriers: a split half tile's partial sums, a merged
+  // FC1 tile's up values.
+  uint32_t exchanges = 0;
+  static_assert(!kMerge || Pipeline<S, E>::kSplitHalves, "merged tiles use the exchange mbarriers");
   // A 192-row tile (merge): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along N,
-  // warpgroup w multiplying them by the tile's weight columns [64 w, + 64) of each 128-column half (m64n64; FC1:
-  // the gate and up columns of the same activation columns), their A slices read from the staging boxes. The boxes
-  // go to the producer first, and come back once both warpgroups are done with the last slice. The deferred round
-  // before the tile and the tail after it go to memory straight from registers: through the boxes, each waited for
-  // an activation job (or a TMA read) with the tensor cores idle, which made merged FC1 tiles slower than the two
-  // tiles they replace.
-  using TailAtom = SM90_64x64x16_F32BF16BF16_SS<GMMA::Major::K, major<BKMajor>()>;
+  // warpgroup w multiplying them by the tile's weight half w (m64n128; FC1: 0 gate, 1 up), their A slices read from
+  // the staging boxes. (Two m64n64 per warpgroup, FC1's gate and up columns together, read A twice: shared-memory
+  // bound, a merged tile then cost ~1.8-2 full tiles instead of ~1.5.) The boxes go to the producer first, and
+  // come back once both warpgroups are done with the last slice. The deferred round before the tile goes to memory
+  // straight from registers: through the boxes it waited for an activation job or a TMA read with the tensor cores
+  // idle. The tail leaves through the boxes by TMA; FC1's activation is warpgroup 0's, from warpgroup 1's up values.
+  using TailAtom = SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, major<BKMajor>()>;
   auto tail_mma = make_tiled_mma(TailAtom{});
   auto thr_tail = tail_mma.get_slice(wtid);
   Tensor sTailA = make_tensor(make_smem_ptr(&smem.staging[0][0]), ring_layout<true, 64, kStages>());
-  // The weight tile in 64-row quarters: quarter q of stage s is (.., 4 s + q).
-  Tensor sQuarterB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, 64, 4 * kStages>());
+  Tensor sHalfB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, 128, 2 * kStages>());  // (.., 2 s + j)
   Tensor tTrA = thr_tail.make_fragment_A(thr_tail.partition_A(sTailA));
-  Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sQuarterB));
+  Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sHalfB));
   // A bf16 pair of row `row`, columns [col, col + 2) of a [num_rows, ld] output, from registers.
   auto put_global = [&](void* out, int64_t ld, int32_t row, int32_t col, __nv_bfloat162 v) {
     if (row < args.num_rows) *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + row * ld + col) = v;
   };
-  // Value pair (i, i + 1) of a 64-column block: row row0 + frag_row + 8 ((i >> 1) & 1), columns from
+  // Value pair (i, i + 1) of a block of columns: row row0 + frag_row + 8 ((i >> 1) & 1), columns from
   // col0 + frag_col + 8 (i >> 2).
   auto pair_row = [&](int32_t row0, int i) { return row0 + frag_row + 8 * ((i >> 1) & 1); };
   auto pair_col = [&](int32_t col0, int i) { return col0 + frag_col + 8 * (i >> 2); };
-  // FC1's 64 activation columns from bf16 gate and up pairs: h (when kept) and the activation, as the activation
-  // warps write them (the same bits).
-  auto put_swiglu = [&](int32_t row0, int32_t col0, auto gate_pair, auto up_pair) {
-    CUTE_UNROLL
-    for (int i = 0; i < 32; i += 2) {
-      const __nv_bfloat162 g = gate_pair(i);
-      const __nv_bfloat162 u = up_pair(i);
-      const int32_t r = pair_row(row0, i);
-      const int32_t c = pair_col(col0, i);
-      if (args.out_h != nullptr) {
-        put_global(args.out_h, 2 * n, r, c, g);
-        put_global(args.out_h, 2 * n, r, int32_t(n) + c, u);
-      }
-      const float2 gf = __bfloat1622float2(g);
-      const float2 uf = __bfloat1622float2(u);
-      put_global(args.out, n, r, c, pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y));
-    }
-  };
   auto merged_tile = [&](const Tile& tile) {
     if (holding) {
-      if (kActWarps && act_warps) {  // an activation job's gate and up pairs
-        put_swiglu(held_row0, held_col, [&](int i) { return held[i / 2]; }, [&](int i) { return held[16 + i / 2]; });
-      } else {  // a round of 128 output columns
-        CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) {
+      CUTE_UNROLL
+      for (int i = 0; i < 32; i += 2) {
+        if (kActWarps && act_warps) {  // an activation job: 64 columns of gate and up pairs
+          const __nv_bfloat162 g = held[i / 2];
+          const __nv_bfloat162 u = held[16 + i / 2];
+          const int32_t r = pair_row(held_row0, i);
+          const int32_t c = pair_col(held_col, i);
+          if (args.out_h != nullptr) {
+            put_global(args.out_h, 2 * n, r, c, g);
+            put_global(args.out_h, 2 * n, r, int32_t(n) + c, u);
+          }
+          const float2 gf = __bfloat1622float2(g);
+          const float2 uf = __bfloat1622float2(u);
+          put_global(args.out, n, r, c, pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y));
+        } else {  // a round: 128 output columns
           put_global(args.out, n, pair_row(held_row0, i), pair_col(held_col, i), held[i / 2]);
+          put_global(args.out, n, pair_row(held_row0, 32 + i), pair_col(held_col, 32 + i), held[16 + i / 2]);
         }
       }
       holding = false;
@@ -928,8 +932,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
     const int32_t tail_row0 = tile.m0 + kGemmTileM;
-    Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _64>{});  // columns [64 wg, + 64) of half 0
-    Tensor acc_u = partition_fragment_C(tail_mma, Shape<_64, _64>{});  // and of half 1
+    Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _128>{});
+    CUTE_STATIC_ASSERT_V(size(acc_t) == Int<kHalf>{});
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     tail_mma.accumulate_ = GMMA::ScaleOut::Zero;
     RingPos<kStages> pos = ring;
@@ -943,7 +947,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
       warpgroup_fence_operand(acc);
       warpgroup_fence_operand(acc_t);
-      warpgroup_fence_operand(acc_u);
       warpgroup_arrive();
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tCrA); ++kb) {
@@ -952,15 +955,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tTrA); ++kb) {
-        cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 4 * stage + wg), acc_t);
-        cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 4 * stage + 2 + wg), acc_u);
+        cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 2 * stage + wg), acc_t);
         tail_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc);
       warpgroup_fence_operand(acc_t);
-      warpgroup_fence_operand(acc_u);
       if (kt > 0) release(prev_stage, 1);
       prev_stage = stage;
       prev_phase = pos.phase;
@@ -969,32 +970,66 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(acc_t);
-    warpgroup_fence_operand(acc_u);
     release(prev_stage, 1);
     ring.advance(tile.k_tiles);
-    auto pair_of = [](auto& frag, int i) { return pack(frag(i), frag(i + 1)); };
+    // The boxes are the epilogue's again once both warpgroups' wgmma are done with them (the last stage is back).
+    cutlass::arch::ClusterBarrier::wait(&smem.empty[prev_stage], prev_phase);
+    auto tail_pair = [&](int i) { return pack(acc_t(i), acc_t(i + 1)); };
     if constexpr (E == GemmEpilogue::kSwiGLU) {
-      put_swiglu(tail_row0, tile.n_tile * 128 + 64 * wg, [&](int i) { return pair_of(acc_t, i); },
-                 [&](int i) { return pair_of(acc_u, i); });
+      // h's gate (warpgroup 0) and up (1) columns from each warpgroup's boxes; warpgroup 0 then reads the up pairs
+      // from warpgroup 1's boxes (the same offsets: the same fragment positions) and stores the activation. The
+      // exchange mbarriers order it as they do a split half tile's.
+      const uint32_t parity = exchanges & 1;
+      if (wg == 1) cutlass::arch::ClusterBarrier::wait(&smem.exchange_empty, parity ^ 1);
+      staging_acquire(wtid);
+      uint32_t at, swizzle;
+      staging_base(at, swizzle);
+      CUTE_UNROLL
+      for (int i = 0; i < kHalf; i += 2) {
+        const __nv_bfloat162 v = tail_pair(i);
+        st_shared(at + pair_offset(i, swizzle), *reinterpret_cast<const uint32_t*>(&v));
+      }
+      staging_release();
+      if (wtid == 0 && args.out_h != nullptr) {
+        for (int b = 0; b < 2; ++b) {
+          tma_store(&p.tma_out2, slots + b * kBoxBytes, int32_t(n) * wg + tile.n_tile * 128 + 64 * b, tail_row0);
+        }
+        store_commit();
+      }
+      if (wg == 1) {
+        cutlass::arch::ClusterBarrier::arrive(&smem.exchange_full);
+      } else {
+        cutlass::arch::ClusterBarrier::wait(&smem.exchange_full, parity);
+        const uint32_t up_at = at + (smem_addr(smem.staging[1]) - slots);
+        CUTE_UNROLL
+        for (int i = 0; i < kHalf; i += 2) {
+          const uint32_t uv = ld_shared(up_at + pair_offset(i, swizzle));
+          const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
+          const float2 gf = __bfloat1622float2(tail_pair(i));
+          const float2 a = __bfloat1622float2(pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y));
+          acc_t(i) = a.x;
+          acc_t(i + 1) = a.y;
+        }
+        cutlass::arch::ClusterBarrier::arrive(&smem.exchange_empty);
+        store_round(Int<2>{}, tail_pair, tail_row0, tile.n_tile * 128);
+      }
+      ++exchanges;
+      // Warpgroup 0 has read the up pairs, and each warpgroup's TMA its boxes, before the epilogue writes them.
+      if (wg == 1) cutlass::arch::ClusterBarrier::wait(&smem.exchange_empty, (exchanges & 1) ^ 1);
+      if (wtid == 0) store_wait_read();
+      wg_sync();
     } else {
       float tail_scale[2] = {1.0f, 1.0f};
       if (args.row_weight != nullptr) {
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) tail_scale[h] = args.row_weight[tail_row0 + frag_row + 8 * h];
       }
-      CUTE_UNROLL
-      for (int i = 0; i < 32; i += 2) {
-        const float scale = (i >> 1) & 1 ? tail_scale[1] : tail_scale[0];
-        const int32_t r = pair_row(tail_row0, i);
-        const int32_t c = pair_col(tile.n_tile * kGemmTileN + 64 * wg, i);
-        put_global(args.out, n, r, c, pack(acc_t(i) * scale, acc_t(i + 1) * scale));
-        put_global(args.out, n, r, c + 128, pack(acc_u(i) * scale, acc_u(i + 1) * scale));
-      }
+      store_round(Int<0>{}, [&](int v) {
+        const float scale = (v >> 1) & 1 ? tail_scale[1] : tail_scale[0];
+        return pack(acc_t(v) * scale, acc_t(v + 1) * scale);
+      }, tail_row0, tile.n_tile * kGemmTileN + 128 * wg);
     }
-    // The boxes are the epilogue's again once both warpgroups' wgmma are done with them (the last stage is back).
-    cutlass::arch::ClusterBarrier::wait(&smem.empty[prev_stage], prev_phase);
   };
-  uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
   for (uint32_t taken = 0;; ++taken) {
     int32_t t;
     const Tile tile = take_tile(taken, t);
@@ -1039,7 +1074,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // The first quarter's loads overlap the mainloop: issued once the first k-slice's wgmma are (or
     // before an empty mainloop), after the previous tile's stores have read the boxes.
     auto prefetch_first_quarter = [&] {
-      staging_acquire(wg, wtid);
+      staging_acquire(wtid);
       load_quarter(0);
     };
     // The epilogue of the tile's (first) 128 rows, every variant but FC2 dgrad's.
@@ -1159,7 +1194,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       // whose exchanged values all check out (scripts/racecheck_probe.cu); this form is racecheck-clean.
       constexpr int kPerRound = Pipeline<S, E>::kBoxes * kBoxBytes / (128 * 4);
       const uint32_t part = smem_addr(smem.staging[1]) + 4 * wtid;
-      if (wg == 1) staging_acquire(1, wtid);
+      if (wg == 1) staging_acquire(wtid);
       // The activation warp is done with these boxes.
       if (kActWarps && act_warps && wg == 1) await_boxes();
       CUTE_UNROLL
@@ -1195,11 +1230,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       for (int q = 0; q < 4; ++q) {
         const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
         if (q > 0) {
-          staging_acquire(wg, wtid);
+          staging_acquire(wtid);
           load_quarter(q);
         }
         cp_async_wait_all();
-        wg_sync(wg);
+        wg_sync();
         // This quarter is accumulator values [32 q, +32): column groups of 8.
         CUTE_UNROLL
         for (int i = 32 * (q % 2); i < 32 * (q % 2) + 32; i += 2) {
@@ -1221,7 +1256,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           put_pair(slots, 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
           put_pair(slots, 2, r, c, pack(row_scale[row_half] * a.x, row_scale[row_half] * a.y));
         }
-        staging_release(wg);
+        staging_release();
         if (wtid == 0) {
           tma_store(&p.tma_out2, slots, col0, row0);
           tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0);
