@@ -97,9 +97,6 @@ struct SharedStorage {
   uint64_t act_full[2];
   uint64_t act_empty[2];
   int32_t act_job[2][2];
-  // 192-row tail tiles (GemmConfig::merge_tails): the staging boxes hold one 64-row A slice per stage while such a
-  // tile's k-slices load; the consumers release them (every thread) once no store or job uses them.
-  uint64_t staging_free;
 };
 
 template <GemmSchedule S, GemmEpilogue E>
@@ -291,16 +288,7 @@ __device__ __forceinline__ __nv_bfloat162 get_pair(uint32_t slots, int box, int 
   return *reinterpret_cast<const __nv_bfloat162*>(&v);
 }
 
-// This thread's index, read again: values derived from it where it was read last stay in registers in between, which a
-// merged tile's two accumulators (192 registers) do not leave (rarely used ones spilled).
-__device__ __forceinline__ uint32_t fresh_tid() {
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  return tid;
-}
-
-// The consumer warpgroup's named barrier (1 + its index, 128 threads each).
-__device__ __forceinline__ void wg_sync() { asm volatile("bar.sync %0, 128;" ::"r"(fresh_tid() / 128) : "memory"); }
+__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
 
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
@@ -314,15 +302,15 @@ __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.com
 __device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
 // Before writing the slots: the previous TMA stores have finished reading them.
-__device__ __forceinline__ void staging_acquire(int wtid) {
+__device__ __forceinline__ void staging_acquire(int wg, int wtid) {
   if (wtid == 0) store_wait_read();
-  wg_sync();
+  wg_sync(wg);
 }
 
 // After writing the slots: make the generic-proxy writes visible to TMA, then one thread stores.
-__device__ __forceinline__ void staging_release() {
+__device__ __forceinline__ void staging_release(int wg) {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  wg_sync();
+  wg_sync(wg);
 }
 
 // A position in the ring of stages: the stage, and the parity of its fill there.
@@ -349,14 +337,13 @@ struct Tile {
   int32_t n_tile;   // column tile index
   int32_t k_begin;  // first K element (kExperts: first row of the expert)
   int32_t k_tiles;
-  int32_t rows;     // kRows: 128, 64 for an expert's last block of 64 rows (a half tile), 192 where merged
+  int32_t rows;     // kRows: 128, or 64 for an expert's last block of 64 rows (a half tile)
   bool split;       // a half tile split along K between the consumers (see Pipeline::kSplitHalves)
 };
 
 // The tile sequence, walked by the producer. kRows: (row block, column
 // tile), row blocks in order (each expert's rows in 128-row blocks, its last block 64 rows
-// when its padded count is an odd multiple of 64, or, merging tails, 192 when that count is
-// above 128). `at` only moves its expert cursor forward:
+// when its padded count is an odd multiple of 64). `at` only moves its expert cursor forward:
 // each CTA must ask for increasing tile indices (both tile orders do).
 // kExperts: (expert, row tile, column tile), so neighbouring CTAs share an expert's operands in L2.
 template <GemmSchedule S, GemmEpilogue E>
@@ -365,19 +352,15 @@ struct TileWalker {
   int32_t n_tiles;
   int32_t m_tiles;
   uint32_t total;  // < 2^31 (grouped_gemm_supported), so that indices past it fit 32 bits too
+  int32_t routed_rows = 0;
   int32_t expert = 0;
   int32_t expert_block = 0;  // kRows: index of the first row block of `expert`
   bool split_halves;         // GemmConfig::split_half_tiles, where the ring depth allows it
-  bool merge_tails;          // GemmConfig::merge_tails, where the variant has it
 
-  // Row blocks of an expert's rows (multiples of 64).
-  __device__ int32_t blocks(int32_t rows) const {
-    return merge_tails && rows > kGemmTileM && rows % kGemmTileM != 0 ? rows / kGemmTileM
-                                                                      : (rows + kGemmTileM - 1) / kGemmTileM;
-  }
+  __device__ static int32_t blocks(int32_t rows) { return (rows + kGemmTileM - 1) / kGemmTileM; }
 
-  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles, bool merge)
-      : args(a), split_halves(Pipeline<S, E>::kSplitHalves && split_half_tiles), merge_tails(merge) {
+  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles)
+      : args(a), split_halves(Pipeline<S, E>::kSplitHalves && split_half_tiles) {
     n_tiles = a.n / gemm_tile_n(E);
     if constexpr (S == GemmSchedule::kRows) {
       // Every allocated row gets a tile: rows past the last expert are written as zeros, so no
@@ -385,7 +368,7 @@ struct TileWalker {
       m_tiles = 0;
       int64_t row_blocks = 0;
       for (int32_t e = 0; e < a.num_experts; ++e) row_blocks += blocks(a.expert_offsets[e + 1] - a.expert_offsets[e]);
-      const int32_t routed_rows = a.expert_offsets[a.num_experts];
+      routed_rows = a.expert_offsets[a.num_experts];
       const int64_t rows = a.skip_unrouted_rows ? min(int64_t(routed_rows), a.num_rows) : a.num_rows;
       row_blocks += (max(rows - routed_rows, int64_t(0)) + kGemmTileM - 1) / kGemmTileM;
       total = uint32_t(row_blocks * n_tiles);
@@ -406,11 +389,10 @@ struct TileWalker {
         expert_block += b;
         ++expert;
       }
-      // Past the last expert, expert_offsets[expert] is the end of the routed rows.
-      const int32_t m0 = args.expert_offsets[expert] + (block - expert_block) * kGemmTileM;
+      const int32_t m0 = (expert < args.num_experts ? args.expert_offsets[expert] : routed_rows) +
+                         (block - expert_block) * kGemmTileM;
       if (expert == args.num_experts) return {expert, m0, n_tile, 0, 0, kGemmTileM, false};
-      const int32_t left = args.expert_offsets[expert + 1] - m0;
-      const int32_t rows = min(left, merge_tails && left == kGemmTileM + kGemmRowAlign ? left : kGemmTileM);
+      const int32_t rows = min(kGemmTileM, args.expert_offsets[expert + 1] - m0);
       tile = {expert, m0, n_tile, 0, args.k / kGemmTileK, rows, split_halves && rows <= kGemmRowAlign};
     } else {
       const uint32_t per_expert = uint32_t(m_tiles * n_tiles);
@@ -444,10 +426,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // critical path: see the epilogue.
   constexpr bool kActWarps = gemm_activation_warps(S, E, GatherA);
   const bool act_warps = kActWarps && p.activation_warps;
-  // 192-row tail tiles: their tail rows' A slices go into the staging boxes, one 64-row slice per stage.
-  constexpr bool kMerge = gemm_merges_tails(S, E, BKMajor, GatherA);
-  static_assert(!kMerge || sizeof(SharedStorageOf<S, E>::staging) == kStages * kBoxBytes, "a tail slice per stage");
-  const bool merge = kMerge && p.merge_tails;
   auto& smem =
       *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
@@ -472,7 +450,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], 32);  // every lane of the activation warp
       }
     }
-    if constexpr (kMerge) cutlass::arch::ClusterBarrier::init(&smem.staging_free, 256);  // every consumer thread
     if constexpr (kPairs) {
       // the peer's producer
       for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);
@@ -490,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     __syncthreads();
   }
 
-  TileWalker<S, E> walker(args, p.split_half_tiles, merge);
+  TileWalker<S, E> walker(args, p.split_half_tiles);
   // Tile order: every grid-th tile (static), or claimed from a global counter as the producer gets to
   // it (GemmConfig::claim_tiles), which keeps CTAs near each other in the tile sequence when tiles
   // differ in length. Both give the same bits: a tile's result does not depend on which CTA
@@ -605,7 +582,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     RingPos<kStages> pos;
     int32_t ready_expert = -1;
     uint32_t passed = 0;  // tiles passed to the consumers
-    uint32_t merged_tiles = 0;  // 192-row tiles loaded (the parity of staging_free's next phase)
     uint32_t pair_phases = 0;  // paired: bit s is the parity of pair_empty[s]'s next phase
     // Paired and claimed: rank 0 claims each pair and passes it to rank 1 until rank 1's block of it does not exist
     // (past the last row block), after which rank 1 has stopped. handoffs counts the pairs passed / taken.
@@ -671,7 +647,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t slot = args.a_row_src[tile.m0 + (ptid / 8 + 16 * i) % tile.rows];
         return slot >= 0 ? slot / args.a_src_div : -1;
       };
-      const bool merged = kMerge && tile.rows > kGemmTileM;
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
@@ -689,9 +664,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           if constexpr (S == GemmSchedule::kRows) {
             // A half tile's k-slice is read by one consumer warpgroup, from its own 64 rows of the A tile
             // (warpgroup kt % 2, see the consumers): only those are loaded.
-            const uint32_t a_bytes = GatherA       ? 0
-                                     : tile.split ? kBoxBytes
-                                                  : kStageBytes - kStageBBytes + (merged ? kBoxBytes : 0);
+            const uint32_t a_bytes = GatherA ? 0 : tile.split ? kBoxBytes : kStageBytes - kStageBBytes;
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBBytes + a_bytes);
             if (!GatherA && tile.split) {
               tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
@@ -714,11 +687,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
             } else {
               load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
             }
-          }
-          if (merged) {
-            // The tail rows' slice, into the staging boxes once the consumers have released them for this tile.
-            if (kt == 0) cutlass::arch::ClusterBarrier::wait(&smem.staging_free, merged_tiles++ & 1);
-            tma_load(&p.tma_a_half, bar, &smem.staging[0][0] + stage * (kBoxBytes / 2), k0, tile.m0 + kGemmTileM, 0);
           }
         }
         if constexpr (GatherA) {
@@ -748,7 +716,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   }
 
   cutlass::arch::warpgroup_reg_alloc<GatherA ? 224 : 232>();
-  const int ct = int(fresh_tid()) - 128;  // not one from before the role split, held across it
+  const int ct = threadIdx.x - 128;
   const int wg = ct / 128;
   const int wtid = ct % 128;
   using MmaAtom = SM90_64x256x16_F32BF16BF16_SS<major<AKMajor>(), major<BKMajor>()>;
@@ -799,7 +767,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   constexpr int kRounds = E == GemmEpilogue::kSwiGLU ? 3 : 2;
   __nv_bfloat162 held[kHalf / 2];  // the deferred round
   int32_t held_row0 = 0;
-  int32_t held_col = 0;  // its first column (with activation warps, the job's)
+  int32_t held_n_tile = 0;
   bool holding = false;
   // The thread's part of the staging address, made opaque where it is used: else the compiler hoists all 32
   // addresses out of the tile loop and holds them through the mainloop, 32 registers it does not have.
@@ -808,10 +776,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     swizzle = (frag_row & 7) << 4;
     asm volatile("" : "+r"(at), "+r"(swizzle));
   };
-  // One round: two boxes to columns [col, col + 128) of rows [rows_at, + 64); FC1's round 2 is the activation.
-  auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t col) {
+  auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t n_tile) {
     constexpr int r = decltype(round)::value;
-    staging_acquire(wtid);
+    staging_acquire(wg, wtid);
     uint32_t at, swizzle;
     staging_base(at, swizzle);
     CUTE_UNROLL
@@ -819,17 +786,22 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       const __nv_bfloat162 v = pair(i);
       st_shared(at + pair_offset(i, swizzle), *reinterpret_cast<const uint32_t*>(&v));
     }
-    staging_release();
+    staging_release(wg);
     if (wtid == 0) {
       for (int b = 0; b < 2; ++b) {
-        tma_store(E == GemmEpilogue::kSwiGLU && r != 2 ? &p.tma_out2 : &p.tma_out, slots + b * kBoxBytes,
-                  col + 64 * b, rows_at);
+        const uint32_t box = slots + b * kBoxBytes;
+        if constexpr (E == GemmEpilogue::kSwiGLU) {
+          // h: the gate half at column n_tile * 128, the up half n columns further; a: n_tile * 128.
+          tma_store(r == 2 ? &p.tma_out : &p.tma_out2, box, int32_t(n) * (r % 2) + n_tile * 128 + 64 * b, rows_at);
+        } else {
+          tma_store(&p.tma_out, box, n_tile * kGemmTileN + 128 * r + 64 * b, rows_at);
+        }
       }
       store_commit();
     }
   };
   auto store_held = [&] {
-    store_round(Int<kRounds - 1>{}, [&](int i) { return held[i / 2]; }, held_row0, held_col);
+    store_round(Int<kRounds - 1>{}, [&](int i) { return held[i / 2]; }, held_row0, held_n_tile);
     holding = false;
   };
   // With activation warps (act_warps), FC1's epilogue hands its tile to the warpgroup's activation warp in two
@@ -840,20 +812,17 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // tensor cores idle) nor wait for a TMA store between rounds.
   uint32_t act_jobs = 0;
   // The warpgroup's staging boxes are its own again once its activation warp has finished the last job.
-  auto await_boxes = [&] {
-    cutlass::arch::ClusterBarrier::wait(&smem.act_empty[fresh_tid() / 128 - 1], (act_jobs & 1) ^ 1);
-  };
+  auto await_boxes = [&] { cutlass::arch::ClusterBarrier::wait(&smem.act_empty[wg], (act_jobs & 1) ^ 1); };
   // A job's descriptor (column -1: stop) to the activation warp; the boxes' contents are made visible to TMA first.
   auto post_job = [&](int32_t rows_at, int32_t col) {
-    const int w = fresh_tid() / 128 - 1;
     if (wtid == 0) {
       asm volatile("" ::: "memory");
-      smem.act_job[w][0] = rows_at;
-      smem.act_job[w][1] = col;
+      smem.act_job[wg][0] = rows_at;
+      smem.act_job[wg][1] = col;
       asm volatile("" ::: "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[w]);
+    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
     ++act_jobs;
   };
   auto submit_job = [&](auto gate_pair, auto up_pair, int32_t rows_at, int32_t col) {
@@ -870,166 +839,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     post_job(rows_at, col);
   };
   auto submit_held = [&] {
-    submit_job([&](int j) { return held[j / 2]; }, [&](int j) { return held[16 + j / 2]; }, held_row0, held_col);
+    submit_job([&](int j) { return held[j / 2]; }, [&](int j) { return held[16 + j / 2]; }, held_row0,
+               held_n_tile * 128 + 64);
     holding = false;
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
-  // Rounds passed between the warpgroups through the exchange mbarriers: a split half tile's partial sums, a merged
-  // FC1 tile's up values.
-  uint32_t exchanges = 0;
-  static_assert(!kMerge || Pipeline<S, E>::kSplitHalves, "merged tiles use the exchange mbarriers");
-  // A 192-row tile (merge): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along N,
-  // warpgroup w multiplying them by the tile's weight half w (m64n128; FC1: 0 gate, 1 up), their A slices read from
-  // the staging boxes. (Two m64n64 per warpgroup, FC1's gate and up columns together, read A twice: shared-memory
-  // bound, a merged tile then cost ~1.8-2 full tiles instead of ~1.5.) The boxes go to the producer first, and
-  // come back once both warpgroups are done with the last slice. The deferred round before the tile goes to memory
-  // straight from registers: through the boxes it waited for an activation job or a TMA read with the tensor cores
-  // idle. The tail leaves through the boxes by TMA; FC1's activation is warpgroup 0's, from warpgroup 1's up values.
-  using TailAtom = SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, major<BKMajor>()>;
-  auto tail_mma = make_tiled_mma(TailAtom{});
-  auto thr_tail = tail_mma.get_slice(wtid);
-  Tensor sTailA = make_tensor(make_smem_ptr(&smem.staging[0][0]), ring_layout<true, 64, kStages>());
-  Tensor sHalfB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, 128, 2 * kStages>());  // (.., 2 s + j)
-  Tensor tTrA = thr_tail.make_fragment_A(thr_tail.partition_A(sTailA));
-  Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sHalfB));
-  // A bf16 pair of row `row`, columns [col, col + 2) of a [num_rows, ld] output, from registers.
-  auto put_global = [&](void* out, int64_t ld, int32_t row, int32_t col, __nv_bfloat162 v) {
-    if (row < args.num_rows) *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + row * ld + col) = v;
-  };
-  // Value pair (i, i + 1) of a block of columns: row row0 + frag_row + 8 ((i >> 1) & 1), columns from
-  // col0 + frag_col + 8 (i >> 2).
-  auto pair_row = [&](int32_t row0, int i) { return row0 + frag_row + 8 * ((i >> 1) & 1); };
-  auto pair_col = [&](int32_t col0, int i) { return col0 + frag_col + 8 * (i >> 2); };
-  auto merged_tile = [&](const Tile& tile) {
-    if (holding) {
-      CUTE_UNROLL
-      for (int i = 0; i < 32; i += 2) {
-        if (kActWarps && act_warps) {  // an activation job: 64 columns of gate and up pairs
-          const __nv_bfloat162 g = held[i / 2];
-          const __nv_bfloat162 u = held[16 + i / 2];
-          const int32_t r = pair_row(held_row0, i);
-          const int32_t c = pair_col(held_col, i);
-          if (args.out_h != nullptr) {
-            put_global(args.out_h, 2 * n, r, c, g);
-            put_global(args.out_h, 2 * n, r, int32_t(n) + c, u);
-          }
-          const float2 gf = __bfloat1622float2(g);
-          const float2 uf = __bfloat1622float2(u);
-          put_global(args.out, n, r, c, pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y));
-        } else {  // a round: 128 output columns
-          put_global(args.out, n, pair_row(held_row0, i), pair_col(held_col, i), held[i / 2]);
-          put_global(args.out, n, pair_row(held_row0, 32 + i), pair_col(held_col, 32 + i), held[16 + i / 2]);
-        }
-      }
-      holding = false;
-    }
-    if (kActWarps && act_warps) {
-      await_boxes();
-    } else if (wtid == 0) {
-      store_wait_read();
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
-    const int32_t tail_row0 = tile.m0 + kGemmTileM;
-    Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _128>{});
-    CUTE_STATIC_ASSERT_V(size(acc_t) == Int<kHalf>{});
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    tail_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    RingPos<kStages> pos = ring;
-    int prev_stage = 0;
-    uint32_t prev_phase = 0;
-    // A do-while: a merged tile has k-slices (K >= 64), and a path around the loop would join the accumulators
-    // before the last wait, where ptxas then serialises every wgmma (C7514).
-    int32_t kt = 0;
-    do {
-      const int stage = pos.stage;
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
-      warpgroup_fence_operand(acc);
-      warpgroup_fence_operand(acc_t);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tTrA); ++kb) {
-        cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 2 * stage + wg), acc_t);
-        tail_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc);
-      warpgroup_fence_operand(acc_t);
-      if (kt > 0) release(prev_stage, 1);
-      prev_stage = stage;
-      prev_phase = pos.phase;
-      pos.step(1);
-    } while (++kt < tile.k_tiles);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    warpgroup_fence_operand(acc_t);
-    release(prev_stage, 1);
-    ring.advance(tile.k_tiles);
-    // The boxes are the epilogue's again once both warpgroups' wgmma are done with them (the last stage is back).
-    cutlass::arch::ClusterBarrier::wait(&smem.empty[prev_stage], prev_phase);
-    auto tail_pair = [&](int i) { return pack(acc_t(i), acc_t(i + 1)); };
-    if constexpr (E == GemmEpilogue::kSwiGLU) {
-      // h's gate (warpgroup 0) and up (1) columns from each warpgroup's boxes; warpgroup 0 then reads the up pairs
-      // from warpgroup 1's boxes (the same offsets: the same fragment positions) and stores the activation. The
-      // exchange mbarriers order it as they do a split half tile's.
-      const uint32_t parity = exchanges & 1;
-      if (wg == 1) cutlass::arch::ClusterBarrier::wait(&smem.exchange_empty, parity ^ 1);
-      staging_acquire(wtid);
-      uint32_t at, swizzle;
-      staging_base(at, swizzle);
-      CUTE_UNROLL
-      for (int i = 0; i < kHalf; i += 2) {
-        const __nv_bfloat162 v = tail_pair(i);
-        st_shared(at + pair_offset(i, swizzle), *reinterpret_cast<const uint32_t*>(&v));
-      }
-      staging_release();
-      if (wtid == 0 && args.out_h != nullptr) {
-        for (int b = 0; b < 2; ++b) {
-          tma_store(&p.tma_out2, slots + b * kBoxBytes, int32_t(n) * wg + tile.n_tile * 128 + 64 * b, tail_row0);
-        }
-        store_commit();
-      }
-      if (wg == 1) {
-        cutlass::arch::ClusterBarrier::arrive(&smem.exchange_full);
-      } else {
-        cutlass::arch::ClusterBarrier::wait(&smem.exchange_full, parity);
-        const uint32_t up_at = at + (smem_addr(smem.staging[1]) - slots);
-        CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) {
-          const uint32_t uv = ld_shared(up_at + pair_offset(i, swizzle));
-          const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
-          const float2 gf = __bfloat1622float2(tail_pair(i));
-          const float2 a = __bfloat1622float2(pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y));
-          acc_t(i) = a.x;
-          acc_t(i + 1) = a.y;
-        }
-        cutlass::arch::ClusterBarrier::arrive(&smem.exchange_empty);
-        store_round(Int<2>{}, tail_pair, tail_row0, tile.n_tile * 128);
-      }
-      ++exchanges;
-      // Warpgroup 0 has read the up pairs, and each warpgroup's TMA its boxes, before the epilogue writes them.
-      if (wg == 1) cutlass::arch::ClusterBarrier::wait(&smem.exchange_empty, (exchanges & 1) ^ 1);
-      if (wtid == 0) store_wait_read();
-      wg_sync();
-    } else {
-      float tail_scale[2] = {1.0f, 1.0f};
-      if (args.row_weight != nullptr) {
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) tail_scale[h] = args.row_weight[tail_row0 + frag_row + 8 * h];
-      }
-      store_round(Int<0>{}, [&](int v) {
-        const float scale = (v >> 1) & 1 ? tail_scale[1] : tail_scale[0];
-        return pack(acc_t(v) * scale, acc_t(v + 1) * scale);
-      }, tail_row0, tile.n_tile * kGemmTileN + 128 * wg);
-    }
-  };
+  uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
   for (uint32_t taken = 0;; ++taken) {
     int32_t t;
     const Tile tile = take_tile(taken, t);
@@ -1074,56 +890,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // The first quarter's loads overlap the mainloop: issued once the first k-slice's wgmma are (or
     // before an empty mainloop), after the previous tile's stores have read the boxes.
     auto prefetch_first_quarter = [&] {
-      staging_acquire(wtid);
+      staging_acquire(wg, wtid);
       load_quarter(0);
     };
-    // The epilogue of the tile's (first) 128 rows, every variant but FC2 dgrad's.
-    auto deferred_epilogue = [&] {
-      if (kActWarps && act_warps) {
-        auto gate = [&](int i) { return pack(acc(i), acc(i + 1)); };
-        auto up = [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); };
-        submit_job(gate, up, row0, tile.n_tile * 128);
-        CUTE_UNROLL
-        for (int j = 0; j < 32; j += 2) {
-          held[j / 2] = gate(32 + j);
-          held[16 + j / 2] = up(32 + j);
-        }
-      } else if constexpr (E == GemmEpilogue::kSwiGLU) {
-        // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them.
-        if (args.out_h != nullptr) {
-          // h: the gate half at column n_tile * 128, the up half n columns further; a: n_tile * 128.
-          store_round(Int<0>{}, [&](int i) { return pack(acc(i), acc(i + 1)); }, row0, tile.n_tile * 128);
-          store_round(Int<1>{}, [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); }, row0,
-                      int32_t(n) + tile.n_tile * 128);
-        }
-        CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) {
-          const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
-          const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
-          held[i / 2] = pack(silu(g.x) * u.x, silu(g.y) * u.y);
-        }
-      } else {
-        auto scaled_pair = [&](int v) {
-          const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
-          return pack(acc(v) * scale, acc(v + 1) * scale);
-        };
-        store_round(Int<0>{}, scaled_pair, row0, tile.n_tile * kGemmTileN);
-        CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
-      }
-      held_row0 = row0;
-      held_col = E != GemmEpilogue::kSwiGLU ? tile.n_tile * kGemmTileN + 128
-                 : kActWarps && act_warps  ? tile.n_tile * 128 + 64
-                                           : tile.n_tile * 128;
-      holding = true;
-    };
-    // A merged tile goes straight to its epilogue: from no other path does a deferred round reach the next tile
-    // through its mainloop, whose accumulators leave no registers for one.
-    if (kMerge && tile.rows > kGemmTileM) {
-      merged_tile(tile);
-      deferred_epilogue();
-      continue;
-    }
     if (kLoadsQuarters && !routed) prefetch_first_quarter();
     if (tile.k_tiles == 0) clear(acc);
     const int32_t kt_first = split ? wg : 0;
@@ -1194,7 +963,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       // whose exchanged values all check out (scripts/racecheck_probe.cu); this form is racecheck-clean.
       constexpr int kPerRound = Pipeline<S, E>::kBoxes * kBoxBytes / (128 * 4);
       const uint32_t part = smem_addr(smem.staging[1]) + 4 * wtid;
-      if (wg == 1) staging_acquire(wtid);
+      if (wg == 1) staging_acquire(1, wtid);
       // The activation warp is done with these boxes.
       if (kActWarps && act_warps && wg == 1) await_boxes();
       CUTE_UNROLL
@@ -1219,7 +988,39 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if (!epilogue) continue;
     if constexpr (kDeferred) {
-      deferred_epilogue();
+      if (kActWarps && act_warps) {
+        auto gate = [&](int i) { return pack(acc(i), acc(i + 1)); };
+        auto up = [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); };
+        submit_job(gate, up, row0, tile.n_tile * 128);
+        CUTE_UNROLL
+        for (int j = 0; j < 32; j += 2) {
+          held[j / 2] = gate(32 + j);
+          held[16 + j / 2] = up(32 + j);
+        }
+      } else if constexpr (E == GemmEpilogue::kSwiGLU) {
+        // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them.
+        if (args.out_h != nullptr) {
+          store_round(Int<0>{}, [&](int i) { return pack(acc(i), acc(i + 1)); }, row0, tile.n_tile);
+          store_round(Int<1>{}, [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); }, row0, tile.n_tile);
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kHalf; i += 2) {
+          const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
+          const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
+          held[i / 2] = pack(silu(g.x) * u.x, silu(g.y) * u.y);
+        }
+      } else {
+        auto scaled_pair = [&](int v) {
+          const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
+          return pack(acc(v) * scale, acc(v + 1) * scale);
+        };
+        store_round(Int<0>{}, scaled_pair, row0, tile.n_tile);
+        CUTE_UNROLL
+        for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
+      }
+      held_row0 = row0;
+      held_n_tile = tile.n_tile;
+      holding = true;
     } else {
       // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
       // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
@@ -1230,11 +1031,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       for (int q = 0; q < 4; ++q) {
         const int32_t col0 = tile.n_tile * kGemmTileN + 64 * q;
         if (q > 0) {
-          staging_acquire(wtid);
+          staging_acquire(wg, wtid);
           load_quarter(q);
         }
         cp_async_wait_all();
-        wg_sync();
+        wg_sync(wg);
         // This quarter is accumulator values [32 q, +32): column groups of 8.
         CUTE_UNROLL
         for (int i = 32 * (q % 2); i < 32 * (q % 2) + 32; i += 2) {
@@ -1256,7 +1057,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           put_pair(slots, 1, r, c, pack(dw0 * g.x * s0, dw1 * g.y * s1));
           put_pair(slots, 2, r, c, pack(row_scale[row_half] * a.x, row_scale[row_half] * a.y));
         }
-        staging_release();
+        staging_release(wg);
         if (wtid == 0) {
           tma_store(&p.tma_out2, slots, col0, row0);
           tma_store(&p.tma_out2, slots + kBoxBytes, int32_t(n) + col0, row0);

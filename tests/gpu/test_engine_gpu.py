@@ -148,62 +148,10 @@ def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, i
         "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
     }
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")  # not with pairs: the unpaired run must not merge
     before = ops.paired_gemm_launches(torch.cuda.current_device())
     assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", "1", ops_under_test, "paired row blocks")
     assert ops.paired_gemm_launches(torch.cuda.current_device()) == before + len(ops_under_test), \
         "a launch asked to pair ran unpaired (no cluster launch)"
-
-
-def merged_tail_rows(offsets):
-    """The rows of the 192-row tiles' tails: each expert's last 64 rows where its padded count is above 128 and
-    an odd multiple of 64."""
-    mask = torch.zeros(int(offsets[-1]), dtype=torch.bool)
-    bounds = offsets.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end - start > 128 and (end - start) % 128 == 64:
-            mask[end - 64:end] = True
-    return mask
-
-
-@pytest.mark.parametrize("order", ["static", "claimed"])
-@pytest.mark.parametrize("counts, hidden, inter", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 1408),
-                                                   ([1, 129, 300] * 60, 64, 256), ([1, 129, 300] * 60, 192, 256),
-                                                   ([0, 0, 5000, 0], 2048, 1536), ([129], 256, 256)])
-def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, order):
-    """An expert's last 64 rows joined to its last full block as one 192-row tile (PRIMEMOE_GEMM_MERGE_TAILS=1):
-    FC1 (h kept and not) and the plain-store GEMM (weighted and not) against the CPU kernels on poisoned outputs;
-    outside the tails bitwise those of unmerged tiles (same wgmma sequence), and no launch pairs. One and three
-    k-slices per tile (hidden 64, 192: a merged tile's loop runs once), 36 k-slices (2304: ring positions differ
-    from tile to tile), several merged tiles per CTA, experts of 64 rows beside them (half tiles), a lone merged
-    tile."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    gpu = engine_operands(counts, hidden, inter, seed=23, device="cuda")
-    cpu = engine_operands(counts, hidden, inter, seed=23)
-    tails = merged_tail_rows(cpu.offsets)
-    assert tails.any()
-    runs = {}
-    for merge in ("0", "1"):
-        monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", merge)
-        before = ops.paired_gemm_launches(torch.cuda.current_device())
-        a, h = fc1_matches_cpu(gpu, cpu)
-        a_only = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[0]
-        assert torch.equal(a_only, a)
-        # The plain-store variant with K = hidden (FC2's own K, inter, is never below 256 here): rows x w1.
-        poison_caching_allocator()
-        o = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False)
-        assert_rows_close("store", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False))
-        poison_caching_allocator()
-        ow = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False, gpu.row_weight)
-        assert_rows_close("store weighted", ow, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
-        if merge == "1":
-            assert ops.paired_gemm_launches(torch.cuda.current_device()) == before, "a merging launch paired"
-        runs[merge] = [t.cpu() for t in (a, h, o, ow)]
-    for name, merged, unmerged in zip(("fc1 a", "fc1 h", "store", "store weighted"), runs["1"], runs["0"]):
-        rows = min(len(tails), merged.shape[0])
-        keep = torch.ones(merged.shape[0], dtype=torch.bool)
-        keep[:rows] = ~tails[:rows]
-        assert torch.equal(merged[keep], unmerged[keep]), f"{name}: merging changed rows outside the tails"
 
 
 FIRST_LAUNCH_IN_CAPTURE = textwrap.dedent("""
@@ -237,7 +185,6 @@ def test_first_paired_launch_inside_graph_capture():
     query): the capture must not break, the captured launch and the eager one after it run paired, with the same
     bits. In a fresh process, as those steps run once per process."""
     env = {k: v for k, v in os.environ.items() if k not in ("PRIMEMOE_GEMM_PAIRS", "PRIMEMOE_GEMM_TILE_ORDER")}
-    env["PRIMEMOE_GEMM_MERGE_TAILS"] = "0"  # merged tails take the place of pairs
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-c", FIRST_LAUNCH_IN_CAPTURE, tests_dir], capture_output=True, text=True,
                          timeout=300, env=env)
@@ -254,10 +201,6 @@ def test_gemm_overrides_are_checked(monkeypatch):
     with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_PAIRS: expected 0 or 1"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
     monkeypatch.delenv("PRIMEMOE_GEMM_PAIRS")
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "on")
-    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_MERGE_TAILS: expected 0 or 1"):
-        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-    monkeypatch.delenv("PRIMEMOE_GEMM_MERGE_TAILS")
     monkeypatch.setenv("PRIMEMOE_FC1_ACTIVATION", "fast")
     with pytest.raises(RuntimeError, match="PRIMEMOE_FC1_ACTIVATION: expected warps or consumers"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
@@ -266,11 +209,9 @@ def test_gemm_overrides_are_checked(monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
 @pytest.mark.parametrize("tokens", [1, 17, 4095])
-def test_fc1_gather_equals_fc1_of_gathered_rows(monkeypatch, tokens, routing, shape):
+def test_fc1_gather_equals_fc1_of_gathered_rows(tokens, routing, shape):
     """The gather fused into FC1's loads (cp.async by the producer warpgroup) gives the same bits
-    as FC1 over rows gathered beforehand (without merged tails, which the gathered FC1 does not have), and
-    matches the CPU kernel; padding rows are zeros."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")
+    as FC1 over rows gathered beforehand, and matches the CPU kernel; padding rows are zeros."""
     hidden, inter = SHAPES[shape]
     g = gather_operands(tokens, 8, 16, hidden, inter, routing, seed=tokens, device="cuda")
     poison_caching_allocator()
