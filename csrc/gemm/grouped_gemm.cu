@@ -155,7 +155,8 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 constexpr uint64_t kClaimTilesAboveWeightBytes = uint64_t(8) << 20;
 
 bool gemm_pairs_pay(const GroupedGemmArgs& a) {
-  return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && max_output_tiles(a) > a.num_sms;
+  return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && max_output_tiles(a) > a.num_sms &&
+         weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes;
 }
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs, Fc1Activation activation) {

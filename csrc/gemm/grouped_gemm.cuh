@@ -146,9 +146,11 @@ constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
   return s == GemmSchedule::kRows && b_k_major && !gather_a;
 }
 
-// Where the heuristics pair row blocks: FC1 (the SwiGLU epilogue: faster at 235B, within noise at 30B; FC2 is
-// slower at 235B), with more tiles than SMs (fewer leave SMs idle whatever the order). Not under the rows-ready
-// hook: the expert-parallel path has not been measured with pairs.
+// Where the heuristics pair row blocks: FC1 (the SwiGLU epilogue; FC2 is slower at 235B) with weights above 8 MiB
+// per expert (the claimed order's, where pairs are level or faster: 235B FC1 -2.2..+0.1%), with more tiles than SMs
+// (fewer leave SMs idle whatever the order). At 30B (6 MiB, static order) unpaired FC1 measured 1.4-4.7% faster
+// and the forward 0.1-2.3% (H200, back to back, twenty-third session). Not under the rows-ready hook: the
+// expert-parallel path has not been measured with pairs.
 bool gemm_pairs_pay(const GroupedGemmArgs& args);
 
 // The variants built with activation warps (GemmConfig::activation_warps): FC1 with a TMA-loaded A (a gathered A
