@@ -4,7 +4,7 @@ between calls would time a faster clock). Variants alternate phase by phase with
 rounds, so drift in the power-capped clock falls on all of them alike.
 Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
            --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
-Prints and writes, per shape, tokens, stage (gather, fc1, fc1_no_h, fc2, forward, backward) and variant, the median ms of
+Prints and writes, per shape, tokens, stage (gather, fc1, fc2, forward, backward) and variant, the median ms of
 each round."""
 import argparse
 import json
@@ -54,7 +54,6 @@ def time_shape(shape, T, a, overridden, results):
     stages = {
         "gather": lambda: lib.gather_rows(x, r2s, K, None, s2r),
         "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),
-        "fc1_no_h": lambda: lib.fc1_swiglu(xs, w1, off, False),
         "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
         "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
         "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
@@ -81,7 +80,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--secs", type=float, default=1.0)
     p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
-                   help="of gather, fc1, fc1_no_h (h not kept), fc2, forward, backward")
+                   help="of gather, fc1, fc2, forward, backward")
     p.add_argument("--out")
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}
