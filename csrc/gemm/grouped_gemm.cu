@@ -142,6 +142,8 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
          shape_supported(S::kExperts, E::kStore, h, i, 0, device, why);             // w2 wgrad
 }
 
+namespace {
+
 // Half tiles split along K finish in about half a tile's time, so CTAs that take every grid-th tile
 // drift apart and work on more experts at once. While an expert's weights are small that costs nothing
 // (Qwen3-30B's 3-6 MB: split FC2 -1.9..-3.2%, FC1 dgrad -1.7..-1.9% against unsplit), but at 25 MB the
@@ -154,19 +156,24 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 // mixed, -2.4..+1.4%, so small weights keep the static order, which needs no counter.
 constexpr uint64_t kClaimTilesAboveWeightBytes = uint64_t(8) << 20;
 
+// Where the claimed order pays: experts' weights above kClaimTilesAboveWeightBytes, and more tiles than CTAs (with at
+// most one tile per CTA, small batches, the order cannot matter, so no counter is zeroed).
+bool claimed_order_pays(const GroupedGemmArgs& a) {
+  return weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_output_tiles(a) > a.num_sms;
+}
+
+}  // namespace
+
 bool gemm_pairs_pay(const GroupedGemmArgs& a) {
-  return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && max_output_tiles(a) > a.num_sms &&
-         weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes;
+  return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && claimed_order_pays(a);
 }
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs, Fc1Activation activation) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
-  // At most one tile per CTA (small batches): the order cannot matter, so no counter is zeroed.
-  const bool pays = weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_output_tiles(a) > a.num_sms;
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
-                       (order == TileOrder::kClaimed || (order == TileOrder::kAuto && pays));
+                       (order == TileOrder::kClaimed || (order == TileOrder::kAuto && claimed_order_pays(a)));
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) &&
                      (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
   config.activation_warps =
