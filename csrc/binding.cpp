@@ -685,13 +685,16 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
   PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
   // Unset, the heuristics' choice of each. PRIMEMOE_GEMM_PAIRS=1 / 0: paired row blocks wherever a variant has them
   // (gemm_pairs_rows) / nowhere. PRIMEMOE_FC1_ACTIVATION: who computes FC1's activation (unset: warps).
+  // PRIMEMOE_GEMM_MERGE_TAILS=1 / 0: 192-row tail tiles wherever a variant has them (gemm_merges_tails) / nowhere.
   const int order = gemm_override("PRIMEMOE_GEMM_TILE_ORDER", "static", "claimed");
   const int pairs = gemm_override("PRIMEMOE_GEMM_PAIRS", "0", "1");
   const int activation = gemm_override("PRIMEMOE_FC1_ACTIVATION", "warps", "consumers");
+  const int merge = gemm_override("PRIMEMOE_GEMM_MERGE_TAILS", "0", "1");
   const GemmConfig config = choose_gemm_config(
       g, order < 0 ? TileOrder::kAuto : order == 0 ? TileOrder::kStatic : TileOrder::kClaimed,
       pairs < 0 ? PairRows::kAuto : pairs == 0 ? PairRows::kOff : PairRows::kOn,
-      activation == 1 ? Fc1Activation::kConsumers : Fc1Activation::kWarps);
+      activation == 1 ? Fc1Activation::kConsumers : Fc1Activation::kWarps,
+      merge < 0 ? MergeTails::kAuto : merge == 0 ? MergeTails::kOff : MergeTails::kOn);
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {

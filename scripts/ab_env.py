@@ -4,8 +4,8 @@ between calls would time a faster clock). Variants alternate phase by phase with
 rounds, so drift in the power-capped clock falls on all of them alike.
 Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
            --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
-Prints and writes, per shape, tokens, stage (gather, fc1, fc2, forward, backward) and variant, the median ms of
-each round."""
+Prints and writes, per shape, tokens, stage (gather, fc1, fc1_no_h, gather_fc1, fc1_gathered, fc2, forward,
+backward) and variant, the median ms of each round."""
 import argparse
 import json
 import os
@@ -54,6 +54,9 @@ def time_shape(shape, T, a, overridden, results):
     stages = {
         "gather": lambda: lib.gather_rows(x, r2s, K, None, s2r),
         "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),
+        "fc1_no_h": lambda: lib.fc1_swiglu(xs, w1, off, False),
+        "gather_fc1": lambda: lib.fc1_swiglu(lib.gather_rows(x, r2s, K, None, s2r), w1, off, True),
+        "fc1_gathered": lambda: lib.fc1_swiglu_gather(x, r2s, K, w1, off, True),
         "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
         "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
         "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
@@ -80,7 +83,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--secs", type=float, default=1.0)
     p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
-                   help="of gather, fc1, fc2, forward, backward")
+                   help="of gather, fc1, fc1_no_h (h not kept), gather_fc1 (the two in a row), fc1_gathered "
+                        "(fc1_swiglu_gather), fc2, forward, backward")
     p.add_argument("--out")
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}

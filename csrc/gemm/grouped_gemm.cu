@@ -162,22 +162,29 @@ bool claimed_order_pays(const GroupedGemmArgs& a) {
   return weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_output_tiles(a) > a.num_sms;
 }
 
+bool gemm_merge_pays(const GroupedGemmArgs& a) { return a.hook.counters == nullptr && claimed_order_pays(a); }
+
 }  // namespace
 
 bool gemm_pairs_pay(const GroupedGemmArgs& a) {
   return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && claimed_order_pays(a);
 }
 
-GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs, Fc1Activation activation) {
+GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs, Fc1Activation activation,
+                              MergeTails merge) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue, a.a_row_src != nullptr) &&
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && claimed_order_pays(a)));
-  config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) &&
-                     (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
   config.activation_warps =
       gemm_activation_warps(a.schedule, a.epilogue, a.a_row_src != nullptr) && activation == Fc1Activation::kWarps;
+  // Pairs forced on win over merged tails: a pair's two CTAs take row blocks of one height.
+  config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major, a.a_row_src != nullptr) &&
+                       pairs != PairRows::kOn &&
+                       (merge == MergeTails::kOn || (merge == MergeTails::kAuto && gemm_merge_pays(a)));
+  config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major, a.a_row_src != nullptr) && !config.merge_tails &&
+                     (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
   return config;
 }
 
@@ -190,6 +197,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
+  params.merge_tails = config.merge_tails;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;
@@ -198,7 +206,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
     // A gathered A operand is copied by the producer's threads, not by TMA.
     if (a.a_row_src == nullptr) {
       err = make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
-      if (err == cudaSuccess && params.split_half_tiles) err = make_map(&params.tma_a_half, a.a, a.k, rows, 1, 64);
+      if (err == cudaSuccess && (params.split_half_tiles || params.merge_tails)) {
+        err = make_map(&params.tma_a_half, a.a, a.k, rows, 1, 64);
+      }
     } else {
       err = cudaSuccess;
     }

@@ -107,6 +107,9 @@ struct GemmConfig {
   bool pair_rows;
   // FC1 (gemm_activation_warps): two producer warps compute the activation from the consumers' pre-activations.
   bool activation_warps;
+  // FC2 (gemm_merges_tails): an expert's last 64 rows join its last full block as one 192-row tile, whose
+  // k-slices carry the weight slice once for 192 rows. Not with pair_rows.
+  bool merge_tails;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same
@@ -121,8 +124,13 @@ enum class PairRows { kAuto, kOff, kOn };
 // default), or the consumer warpgroups in their epilogue (comparisons). Both give the same bits.
 enum class Fc1Activation { kWarps, kConsumers };
 
+// kAuto: the heuristics' choice of 192-row tail tiles (gemm_merge_pays); kOff / kOn force it where the variant has
+// them (gemm_merges_tails) and row blocks are not paired.
+enum class MergeTails { kAuto, kOff, kOn };
+
 GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto,
-                              PairRows pairs = PairRows::kAuto, Fc1Activation activation = Fc1Activation::kWarps);
+                              PairRows pairs = PairRows::kAuto, Fc1Activation activation = Fc1Activation::kWarps,
+                              MergeTails merge = MergeTails::kAuto);
 
 // The variants built with the claimed tile order. Not a gathered A: its 128 producer threads walk the
 // tiles, one claims. Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
@@ -160,6 +168,20 @@ bool gemm_pairs_pay(const GroupedGemmArgs& args);
 constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e, bool gather_a) {
   return s == GemmSchedule::kRows && e == GemmEpilogue::kSwiGLU && !gather_a;
 }
+
+// The variant built with 192-row tail tiles (GemmConfig::merge_tails): FC2 (plain store, K-major weights, a
+// TMA-loaded A; its two staging boxes per consumer warpgroup, 32 KiB, hold the tail rows' 64-row A slices, one per
+// stage). A 64-row tile took as long as a full one at Qwen3-235B (its k-slices wait on the 32 KiB weight slice, not
+// on the tensor cores: benchmarks/RESULTS.md, twenty-first session); merged, that slice serves 192 rows in one CTA.
+// FC2 at 235B T = 8192 measured -2.4%; FC1 merged the same way +4% (twenty-third session), and with MN-major
+// weights (FC1 dgrad) ptxas serialised the wgmma (C7514).
+constexpr bool gemm_merges_tails(GemmSchedule s, GemmEpilogue e, bool b_k_major, bool gather_a) {
+  return s == GemmSchedule::kRows && e == GemmEpilogue::kStore && b_k_major && !gather_a;
+}
+
+// Where the heuristics merge tails: FC2 where tiles are claimed (experts' weights above 8 MiB; in the static order
+// merged tiles, 1.5 tiles long, unbalanced the CTAs: +2% at Qwen3-30B), outside the rows-ready hook (not measured).
+bool gemm_merge_pays(const GroupedGemmArgs& args);
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).
 bool grouped_gemm_supported(const GroupedGemmArgs& args, int device, const char** why);

@@ -97,6 +97,9 @@ struct SharedStorage {
   uint64_t act_full[2];
   uint64_t act_empty[2];
   int32_t act_job[2][2];
+  // 192-row tail tiles (GemmConfig::merge_tails): the staging boxes hold one 64-row A slice per stage while such a
+  // tile's k-slices load; the consumers release them (every thread) once no store or job uses them.
+  uint64_t staging_free;
 };
 
 template <GemmSchedule S, GemmEpilogue E>
@@ -337,13 +340,14 @@ struct Tile {
   int32_t n_tile;   // column tile index
   int32_t k_begin;  // first K element (kExperts: first row of the expert)
   int32_t k_tiles;
-  int32_t rows;     // kRows: 128, or 64 for an expert's last block of 64 rows (a half tile)
+  int32_t rows;     // kRows: 128, 64 for an expert's last block of 64 rows (a half tile), 192 where merged
   bool split;       // a half tile split along K between the consumers (see Pipeline::kSplitHalves)
 };
 
 // The tile sequence, walked by the producer. kRows: (row block, column
 // tile), row blocks in order (each expert's rows in 128-row blocks, its last block 64 rows
-// when its padded count is an odd multiple of 64). `at` only moves its expert cursor forward:
+// when its padded count is an odd multiple of 64, or, merging tails, 192 when that count is
+// above 128). `at` only moves its expert cursor forward:
 // each CTA must ask for increasing tile indices (both tile orders do).
 // kExperts: (expert, row tile, column tile), so neighbouring CTAs share an expert's operands in L2.
 template <GemmSchedule S, GemmEpilogue E>
@@ -352,15 +356,19 @@ struct TileWalker {
   int32_t n_tiles;
   int32_t m_tiles;
   uint32_t total;  // < 2^31 (grouped_gemm_supported), so that indices past it fit 32 bits too
-  int32_t routed_rows = 0;
   int32_t expert = 0;
   int32_t expert_block = 0;  // kRows: index of the first row block of `expert`
   bool split_halves;         // GemmConfig::split_half_tiles, where the ring depth allows it
+  bool merge_tails;          // GemmConfig::merge_tails, where the variant has it
 
-  __device__ static int32_t blocks(int32_t rows) { return (rows + kGemmTileM - 1) / kGemmTileM; }
+  // Row blocks of an expert's rows (multiples of 64).
+  __device__ int32_t blocks(int32_t rows) const {
+    return merge_tails && rows > kGemmTileM && rows % kGemmTileM != 0 ? rows / kGemmTileM
+                                                                      : (rows + kGemmTileM - 1) / kGemmTileM;
+  }
 
-  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles)
-      : args(a), split_halves(Pipeline<S, E>::kSplitHalves && split_half_tiles) {
+  __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles, bool merge)
+      : args(a), split_halves(Pipeline<S, E>::kSplitHalves && split_half_tiles), merge_tails(merge) {
     n_tiles = a.n / gemm_tile_n(E);
     if constexpr (S == GemmSchedule::kRows) {
       // Every allocated row gets a tile: rows past the last expert are written as zeros, so no
@@ -368,7 +376,7 @@ struct TileWalker {
       m_tiles = 0;
       int64_t row_blocks = 0;
       for (int32_t e = 0; e < a.num_experts; ++e) row_blocks += blocks(a.expert_offsets[e + 1] - a.expert_offsets[e]);
-      routed_rows = a.expert_offsets[a.num_experts];
+      const int32_t routed_rows = a.expert_offsets[a.num_experts];
       const int64_t rows = a.skip_unrouted_rows ? min(int64_t(routed_rows), a.num_rows) : a.num_rows;
       row_blocks += (max(rows - routed_rows, int64_t(0)) + kGemmTileM - 1) / kGemmTileM;
       total = uint32_t(row_blocks * n_tiles);
@@ -389,10 +397,11 @@ struct TileWalker {
         expert_block += b;
         ++expert;
       }
-      const int32_t m0 = (expert < args.num_experts ? args.expert_offsets[expert] : routed_rows) +
-                         (block - expert_block) * kGemmTileM;
+      // Past the last expert, expert_offsets[expert] is the end of the routed rows.
+      const int32_t m0 = args.expert_offsets[expert] + (block - expert_block) * kGemmTileM;
       if (expert == args.num_experts) return {expert, m0, n_tile, 0, 0, kGemmTileM, false};
-      const int32_t rows = min(kGemmTileM, args.expert_offsets[expert + 1] - m0);
+      const int32_t left = args.expert_offsets[expert + 1] - m0;
+      const int32_t rows = min(left, merge_tails && left == kGemmTileM + kGemmRowAlign ? left : kGemmTileM);
       tile = {expert, m0, n_tile, 0, args.k / kGemmTileK, rows, split_halves && rows <= kGemmRowAlign};
     } else {
       const uint32_t per_expert = uint32_t(m_tiles * n_tiles);
@@ -426,6 +435,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // critical path: see the epilogue.
   constexpr bool kActWarps = gemm_activation_warps(S, E, GatherA);
   const bool act_warps = kActWarps && p.activation_warps;
+  // 192-row tail tiles (FC2): their tail rows' A slices go into the staging boxes, one 64-row slice per stage.
+  constexpr bool kMerge = gemm_merges_tails(S, E, BKMajor, GatherA);
+  static_assert(!kMerge || sizeof(SharedStorageOf<S, E>::staging) == kStages * kBoxBytes, "a tail slice per stage");
+  static_assert(!kMerge || E == GemmEpilogue::kStore, "the tail's epilogue is a plain store");
+  const bool merge = kMerge && p.merge_tails;
   auto& smem =
       *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
@@ -450,6 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], 32);  // every lane of the activation warp
       }
     }
+    if constexpr (kMerge) cutlass::arch::ClusterBarrier::init(&smem.staging_free, 256);  // every consumer thread
     if constexpr (kPairs) {
       // the peer's producer
       for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);
@@ -467,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     __syncthreads();
   }
 
-  TileWalker<S, E> walker(args, p.split_half_tiles);
+  TileWalker<S, E> walker(args, p.split_half_tiles, merge);
   // Tile order: every grid-th tile (static), or claimed from a global counter as the producer gets to
   // it (GemmConfig::claim_tiles), which keeps CTAs near each other in the tile sequence when tiles
   // differ in length. Both give the same bits: a tile's result does not depend on which CTA
@@ -582,6 +597,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     RingPos<kStages> pos;
     int32_t ready_expert = -1;
     uint32_t passed = 0;  // tiles passed to the consumers
+    uint32_t merged_tiles = 0;  // 192-row tiles loaded (the parity of staging_free's next phase)
     uint32_t pair_phases = 0;  // paired: bit s is the parity of pair_empty[s]'s next phase
     // Paired and claimed: rank 0 claims each pair and passes it to rank 1 until rank 1's block of it does not exist
     // (past the last row block), after which rank 1 has stopped. handoffs counts the pairs passed / taken.
@@ -647,6 +663,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t slot = args.a_row_src[tile.m0 + (ptid / 8 + 16 * i) % tile.rows];
         return slot >= 0 ? slot / args.a_src_div : -1;
       };
+      const bool merged = kMerge && tile.rows > kGemmTileM;
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
@@ -664,7 +681,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           if constexpr (S == GemmSchedule::kRows) {
             // A half tile's k-slice is read by one consumer warpgroup, from its own 64 rows of the A tile
             // (warpgroup kt % 2, see the consumers): only those are loaded.
-            const uint32_t a_bytes = GatherA ? 0 : tile.split ? kBoxBytes : kStageBytes - kStageBBytes;
+            const uint32_t a_bytes = GatherA       ? 0
+                                     : tile.split ? kBoxBytes
+                                                  : kStageBytes - kStageBBytes + (merged ? kBoxBytes : 0);
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBBytes + a_bytes);
             if (!GatherA && tile.split) {
               tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
@@ -687,6 +706,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
             } else {
               load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
             }
+          }
+          if (merged) {
+            // The tail rows' slice, into the staging boxes once the consumers have released them for this tile.
+            if (kt == 0) cutlass::arch::ClusterBarrier::wait(&smem.staging_free, merged_tiles++ & 1);
+            tma_load(&p.tma_a_half, bar, &smem.staging[0][0] + stage * (kBoxBytes / 2), k0, tile.m0 + kGemmTileM, 0);
           }
         }
         if constexpr (GatherA) {
@@ -716,7 +740,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   }
 
   cutlass::arch::warpgroup_reg_alloc<GatherA ? 224 : 232>();
-  const int ct = threadIdx.x - 128;
+  // The thread index read again: a value derived from it before the role split would be held across it, in
+  // registers that a merged tile's two accumulators (192) need (it spilled).
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int ct = int(tid) - 128;
   const int wg = ct / 128;
   const int wtid = ct % 128;
   using MmaAtom = SM90_64x256x16_F32BF16BF16_SS<major<AKMajor>(), major<BKMajor>()>;
@@ -767,7 +795,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   constexpr int kRounds = E == GemmEpilogue::kSwiGLU ? 3 : 2;
   __nv_bfloat162 held[kHalf / 2];  // the deferred round
   int32_t held_row0 = 0;
-  int32_t held_n_tile = 0;
+  int32_t held_col = 0;  // its first column (with activation warps, the job's)
   bool holding = false;
   // The thread's part of the staging address, made opaque where it is used: else the compiler hoists all 32
   // addresses out of the tile loop and holds them through the mainloop, 32 registers it does not have.
@@ -776,7 +804,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     swizzle = (frag_row & 7) << 4;
     asm volatile("" : "+r"(at), "+r"(swizzle));
   };
-  auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t n_tile) {
+  // One round: two boxes to columns [col, col + 128) of rows [rows_at, + 64); FC1's round 2 is the activation.
+  auto store_round = [&](auto round, auto pair, int32_t rows_at, int32_t col) {
     constexpr int r = decltype(round)::value;
     staging_acquire(wg, wtid);
     uint32_t at, swizzle;
@@ -789,19 +818,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     staging_release(wg);
     if (wtid == 0) {
       for (int b = 0; b < 2; ++b) {
-        const uint32_t box = slots + b * kBoxBytes;
-        if constexpr (E == GemmEpilogue::kSwiGLU) {
-          // h: the gate half at column n_tile * 128, the up half n columns further; a: n_tile * 128.
-          tma_store(r == 2 ? &p.tma_out : &p.tma_out2, box, int32_t(n) * (r % 2) + n_tile * 128 + 64 * b, rows_at);
-        } else {
-          tma_store(&p.tma_out, box, n_tile * kGemmTileN + 128 * r + 64 * b, rows_at);
-        }
+        tma_store(E == GemmEpilogue::kSwiGLU && r != 2 ? &p.tma_out2 : &p.tma_out, slots + b * kBoxBytes,
+                  col + 64 * b, rows_at);
       }
       store_commit();
     }
   };
   auto store_held = [&] {
-    store_round(Int<kRounds - 1>{}, [&](int i) { return held[i / 2]; }, held_row0, held_n_tile);
+    store_round(Int<kRounds - 1>{}, [&](int i) { return held[i / 2]; }, held_row0, held_col);
     holding = false;
   };
   // With activation warps (act_warps), FC1's epilogue hands its tile to the warpgroup's activation warp in two
@@ -839,12 +863,83 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     post_job(rows_at, col);
   };
   auto submit_held = [&] {
-    submit_job([&](int j) { return held[j / 2]; }, [&](int j) { return held[16 + j / 2]; }, held_row0,
-               held_n_tile * 128 + 64);
+    submit_job([&](int j) { return held[j / 2]; }, [&](int j) { return held[16 + j / 2]; }, held_row0, held_col);
     holding = false;
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
+  // A 192-row tile (merge, FC2): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along
+  // N, warpgroup w multiplying them by the tile's weight half w (m64n128), their A slices read from the staging
+  // boxes. The boxes go to the producer first (the deferred round stored and read by TMA), and are written again
+  // once both warpgroups are done with the last slice; the tail's epilogue comes first.
+  using TailAtom = SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, major<BKMajor>()>;
+  auto tail_mma = make_tiled_mma(TailAtom{});
+  auto thr_tail = tail_mma.get_slice(wtid);
+  Tensor sTailA = make_tensor(make_smem_ptr(&smem.staging[0][0]), ring_layout<true, 64, kStages>());
+  Tensor sHalfB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, 128, 2 * kStages>());  // (.., 2 s + j)
+  Tensor tTrA = thr_tail.make_fragment_A(thr_tail.partition_A(sTailA));
+  Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sHalfB));
+  auto merged_tile = [&](const Tile& tile) {
+    if constexpr (kMerge) {
+      if (holding) store_held();
+      if (wtid == 0) store_wait_read();
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
+      const int32_t tail_row0 = tile.m0 + kGemmTileM;
+      Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _128>{});
+      CUTE_STATIC_ASSERT_V(size(acc_t) == Int<kHalf>{});
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      tail_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      RingPos<kStages> pos = ring;
+      int prev_stage = 0;
+      uint32_t prev_phase = 0;
+      // A do-while: a merged tile has k-slices (K >= 64), and a path around the loop would join the accumulators
+      // before the last wait, where ptxas then serialises every wgmma (C7514).
+      int32_t kt = 0;
+      do {
+        const int stage = pos.stage;
+        cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
+        warpgroup_fence_operand(acc);
+        warpgroup_fence_operand(acc_t);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+          cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tTrA); ++kb) {
+          cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 2 * stage + wg), acc_t);
+          tail_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc);
+        warpgroup_fence_operand(acc_t);
+        if (kt > 0) release(prev_stage, 1);
+        prev_stage = stage;
+        prev_phase = pos.phase;
+        pos.step(1);
+      } while (++kt < tile.k_tiles);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      warpgroup_fence_operand(acc_t);
+      release(prev_stage, 1);
+      ring.advance(tile.k_tiles);
+      // Both warpgroups' wgmma are done with the staging boxes once the last stage is back.
+      cutlass::arch::ClusterBarrier::wait(&smem.empty[prev_stage], prev_phase);
+      float tail_scale[2] = {1.0f, 1.0f};
+      if (args.row_weight != nullptr) {
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) tail_scale[h] = args.row_weight[tail_row0 + frag_row + 8 * h];
+      }
+      auto scaled_pair = [&](int v) {
+        const float scale = (v >> 1) & 1 ? tail_scale[1] : tail_scale[0];
+        return pack(acc_t(v) * scale, acc_t(v + 1) * scale);
+      };
+      store_round(Int<0>{}, scaled_pair, tail_row0, tile.n_tile * kGemmTileN + 128 * wg);
+    }
+  };
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
   for (uint32_t taken = 0;; ++taken) {
     int32_t t;
@@ -893,6 +988,53 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       staging_acquire(wg, wtid);
       load_quarter(0);
     };
+    // The epilogue of the tile's (first) 128 rows, every variant but FC2 dgrad's.
+    auto deferred_epilogue = [&] {
+      if (kActWarps && act_warps) {
+        auto gate = [&](int i) { return pack(acc(i), acc(i + 1)); };
+        auto up = [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); };
+        submit_job(gate, up, row0, tile.n_tile * 128);
+        CUTE_UNROLL
+        for (int j = 0; j < 32; j += 2) {
+          held[j / 2] = gate(32 + j);
+          held[16 + j / 2] = up(32 + j);
+        }
+      } else if constexpr (E == GemmEpilogue::kSwiGLU) {
+        // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them.
+        if (args.out_h != nullptr) {
+          // h: the gate half at column n_tile * 128, the up half n columns further; a: n_tile * 128.
+          store_round(Int<0>{}, [&](int i) { return pack(acc(i), acc(i + 1)); }, row0, tile.n_tile * 128);
+          store_round(Int<1>{}, [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); }, row0,
+                      int32_t(n) + tile.n_tile * 128);
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kHalf; i += 2) {
+          const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
+          const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
+          held[i / 2] = pack(silu(g.x) * u.x, silu(g.y) * u.y);
+        }
+      } else {
+        auto scaled_pair = [&](int v) {
+          const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
+          return pack(acc(v) * scale, acc(v + 1) * scale);
+        };
+        store_round(Int<0>{}, scaled_pair, row0, tile.n_tile * kGemmTileN);
+        CUTE_UNROLL
+        for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
+      }
+      held_row0 = row0;
+      held_col = E != GemmEpilogue::kSwiGLU ? tile.n_tile * kGemmTileN + 128
+                 : kActWarps && act_warps  ? tile.n_tile * 128 + 64
+                                           : tile.n_tile * 128;
+      holding = true;
+    };
+    // A merged tile goes straight to its epilogue: from no other path does a deferred round reach the next tile
+    // through its mainloop, whose accumulators leave no registers for one.
+    if (kMerge && tile.rows > kGemmTileM) {
+      merged_tile(tile);
+      deferred_epilogue();
+      continue;
+    }
     if (kLoadsQuarters && !routed) prefetch_first_quarter();
     if (tile.k_tiles == 0) clear(acc);
     const int32_t kt_first = split ? wg : 0;
@@ -988,39 +1130,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if (!epilogue) continue;
     if constexpr (kDeferred) {
-      if (kActWarps && act_warps) {
-        auto gate = [&](int i) { return pack(acc(i), acc(i + 1)); };
-        auto up = [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); };
-        submit_job(gate, up, row0, tile.n_tile * 128);
-        CUTE_UNROLL
-        for (int j = 0; j < 32; j += 2) {
-          held[j / 2] = gate(32 + j);
-          held[16 + j / 2] = up(32 + j);
-        }
-      } else if constexpr (E == GemmEpilogue::kSwiGLU) {
-        // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them.
-        if (args.out_h != nullptr) {
-          store_round(Int<0>{}, [&](int i) { return pack(acc(i), acc(i + 1)); }, row0, tile.n_tile);
-          store_round(Int<1>{}, [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); }, row0, tile.n_tile);
-        }
-        CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) {
-          const float2 g = __bfloat1622float2(pack(acc(i), acc(i + 1)));
-          const float2 u = __bfloat1622float2(pack(acc(kHalf + i), acc(kHalf + i + 1)));
-          held[i / 2] = pack(silu(g.x) * u.x, silu(g.y) * u.y);
-        }
-      } else {
-        auto scaled_pair = [&](int v) {
-          const float scale = (v >> 1) & 1 ? row_scale[1] : row_scale[0];
-          return pack(acc(v) * scale, acc(v + 1) * scale);
-        };
-        store_round(Int<0>{}, scaled_pair, row0, tile.n_tile);
-        CUTE_UNROLL
-        for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
-      }
-      held_row0 = row0;
-      held_n_tile = tile.n_tile;
-      holding = true;
+      deferred_epilogue();
     } else {
       // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
       // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced

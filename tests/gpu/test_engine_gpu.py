@@ -148,10 +148,54 @@ def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, i
         "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
     }
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
+    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")  # not with pairs: the unpaired run must not merge
     before = ops.paired_gemm_launches(torch.cuda.current_device())
     assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", "1", ops_under_test, "paired row blocks")
     assert ops.paired_gemm_launches(torch.cuda.current_device()) == before + len(ops_under_test), \
         "a launch asked to pair ran unpaired (no cluster launch)"
+
+
+def merged_tail_rows(offsets):
+    """The rows of the 192-row tiles' tails: each expert's last 64 rows where its padded count is above 128 and
+    an odd multiple of 64."""
+    mask = torch.zeros(int(offsets[-1]), dtype=torch.bool)
+    bounds = offsets.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end - start > 128 and (end - start) % 128 == 64:
+            mask[end - 64:end] = True
+    return mask
+
+
+@pytest.mark.parametrize("order", ["static", "claimed"])
+@pytest.mark.parametrize("counts, hidden, inter", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 1408),
+                                                   ([1, 129, 300] * 60, 64, 256), ([1, 129, 300] * 60, 192, 256),
+                                                   ([0, 0, 5000, 0], 2048, 1536), ([129], 256, 256)])
+def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, order):
+    """An expert's last 64 rows joined to its last full block as one 192-row tile (PRIMEMOE_GEMM_MERGE_TAILS=1, the
+    plain-store GEMM: FC2's variant, here over rows x w1 so that K = hidden): weighted and not, against the CPU
+    kernel on poisoned outputs, and outside the tails bitwise equal to unmerged tiles (the same wgmma sequence).
+    One and three k-slices per tile (hidden 64, 192: a merged tile's loop runs once), 36 (2304: ring positions
+    differ from tile to tile), several merged tiles per CTA, experts of 64 rows beside them (half tiles), a lone
+    merged tile, both tile orders."""
+    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
+    gpu = engine_operands(counts, hidden, inter, seed=23, device="cuda")
+    cpu = engine_operands(counts, hidden, inter, seed=23)
+    tails = merged_tail_rows(cpu.offsets)
+    assert tails.any()
+    runs = {}
+    for merge in ("0", "1"):
+        monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", merge)
+        poison_caching_allocator()
+        o = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False)
+        assert_rows_close("store", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False))
+        poison_caching_allocator()
+        ow = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False, gpu.row_weight)
+        assert_rows_close("store weighted", ow, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
+        runs[merge] = [t.cpu() for t in (o, ow)]
+    for name, merged, unmerged in zip(("store", "store weighted"), runs["1"], runs["0"]):
+        keep = torch.ones(merged.shape[0], dtype=torch.bool)
+        keep[:len(tails)] = ~tails
+        assert torch.equal(merged[keep], unmerged[keep]), f"{name}: merging changed rows outside the tails"
 
 
 FIRST_LAUNCH_IN_CAPTURE = textwrap.dedent("""
@@ -201,6 +245,10 @@ def test_gemm_overrides_are_checked(monkeypatch):
     with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_PAIRS: expected 0 or 1"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
     monkeypatch.delenv("PRIMEMOE_GEMM_PAIRS")
+    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "on")
+    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_MERGE_TAILS: expected 0 or 1"):
+        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    monkeypatch.delenv("PRIMEMOE_GEMM_MERGE_TAILS")
     monkeypatch.setenv("PRIMEMOE_FC1_ACTIVATION", "fast")
     with pytest.raises(RuntimeError, match="PRIMEMOE_FC1_ACTIVATION: expected warps or consumers"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
