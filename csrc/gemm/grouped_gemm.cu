@@ -162,9 +162,9 @@ bool claimed_order_pays(const GroupedGemmArgs& a) {
   return weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_output_tiles(a) > a.num_sms;
 }
 
-bool gemm_merge_pays(const GroupedGemmArgs& a) { return a.hook.counters == nullptr && claimed_order_pays(a); }
-
 }  // namespace
+
+bool gemm_merge_pays(const GroupedGemmArgs& a) { return a.hook.counters == nullptr && claimed_order_pays(a); }
 
 bool gemm_pairs_pay(const GroupedGemmArgs& a) {
   return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && claimed_order_pays(a);
