@@ -5,7 +5,7 @@ rounds, so drift in the power-capped clock falls on all of them alike.
 Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
            --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
 Prints and writes, per shape, tokens, stage (gather, fc1, fc1_no_h, gather_fc1, fc1_gathered, fc2, forward,
-backward) and variant, the median ms of each round."""
+forward_gathered, backward) and variant, the median ms of each round."""
 import argparse
 import json
 import os
@@ -42,6 +42,14 @@ def phase_ms(fn, secs):
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def forward_gathered(x, idx, w, w1, w2, K):
+    """The layer's forward with FC1 gathering its rows from x (fc1_swiglu_gather) instead of gather_rows + TMA."""
+    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(idx, w1.shape[0], 0, w1.shape[0], ops.ROW_ALIGN)
+    a, _ = lib.fc1_swiglu_gather(x, row_to_slot, K, w1, offsets, True)
+    o = lib.expert_gemm(a, w2, offsets, False, ops.row_weights(w, row_to_slot))
+    return lib.combine_reduce(o, slot_to_row, None)
+
+
 def time_shape(shape, T, a, overridden, results):
     """Every stage of a.stages at (shape, T): a.rounds rounds of the variants, alternating."""
     _, _, E, K = SHAPES[shape]
@@ -59,6 +67,7 @@ def time_shape(shape, T, a, overridden, results):
         "fc1_gathered": lambda: lib.fc1_swiglu_gather(x, r2s, K, w1, off, True),
         "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
         "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
+        "forward_gathered": lambda: forward_gathered(x, idx, w, w1, w2, K),
         "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
     }
     for stage in a.stages:
@@ -84,7 +93,7 @@ def main():
     p.add_argument("--secs", type=float, default=1.0)
     p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
                    help="of gather, fc1, fc1_no_h (h not kept), gather_fc1 (the two in a row), fc1_gathered "
-                        "(fc1_swiglu_gather), fc2, forward, backward")
+                        "(fc1_swiglu_gather), fc2, forward, forward_gathered, backward")
     p.add_argument("--out")
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}

@@ -132,16 +132,17 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = Til
                               PairRows pairs = PairRows::kAuto, Fc1Activation activation = Fc1Activation::kWarps,
                               MergeTails merge = MergeTails::kAuto);
 
-// The variants built with the claimed tile order. Not a gathered A: its 128 producer threads walk the
-// tiles, one claims. Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
+// The variants built with the claimed tile order (a gathered A's producer warp walks the tiles, its lane 0 claims).
+// Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
 // spill 136 bytes there, which cost ~12% (H200, Qwen3-30B and -235B at T = 8192 and 16384), four times
 // what the order gained. Since the epilogues' shared-memory accesses go by 32-bit address (twelfth
 // session) it compiles without a spill, but still measured 1.8-4.1% slower (thirteenth session).
-constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e, bool gather_a) {
-  return s == GemmSchedule::kRows && e != GemmEpilogue::kSwiGLUBackward && !gather_a;
+constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e) {
+  return s == GemmSchedule::kRows && e != GemmEpilogue::kSwiGLUBackward;
 }
 
-// The variants built with paired row blocks (GemmConfig::pair_rows): the forward's K-major weights, TMA-loaded A.
+// The variants built with paired row blocks (GemmConfig::pair_rows): the forward's K-major weights (a gathered A is
+// copied into each CTA's own stage; only the weight tile is shared).
 // Each weight byte then crosses from L2 once per pair of row blocks instead of once per block. Halving the weight
 // loads outright (a timing-only kernel that reused every other stage's weights) took the power-capped back-to-back
 // Qwen3-235B T = 8192 FC1 from 3.07 to 2.86 ms and FC2 from 1.57 to 1.37 ms on the H200. Pairs got part of that:
@@ -150,8 +151,8 @@ constexpr bool gemm_claims_tiles(GemmSchedule s, GemmEpilogue e, bool gather_a) 
 // Claimed pairs (rank 0's producer claims each pair and passes it to rank 1's, fifteenth session), against the
 // unpaired default order (claimed at 235B, static at 30B), back to back: 235B FC1 -0.8..-2.6%, FC2 +1.6..+2.3%,
 // 30B FC1 -1.2..0.0%, FC2 -0.8..+2.4% (gemm_pairs_pay).
-constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
-  return s == GemmSchedule::kRows && b_k_major && !gather_a;
+constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major) {
+  return s == GemmSchedule::kRows && b_k_major;
 }
 
 // Where the heuristics pair row blocks: FC1 (the SwiGLU epilogue; FC2 is slower at 235B) with weights above 8 MiB
@@ -161,12 +162,12 @@ constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major, bool gather_a) {
 // expert-parallel path has not been measured with pairs.
 bool gemm_pairs_pay(const GroupedGemmArgs& args);
 
-// The variants built with activation warps (GemmConfig::activation_warps): FC1 with a TMA-loaded A (a gathered A
-// takes the whole producer warpgroup). The consumers then hand the pre-activations over and never compute the
+// The variants built with activation warps (GemmConfig::activation_warps): FC1, also with a gathered A (its copies
+// take the producer warpgroup's first warp, the activation its second and third). The consumers then hand the pre-activations over and never compute the
 // activation, which measured 3.9% (Qwen3-235B) / 5.9% (Qwen3-30B) of FC1 with the tensor cores idle; FC1 -2.5% /
 // -2.8% back to back on the H200 (benchmarks/RESULTS.md, nineteenth session).
-constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e, bool gather_a) {
-  return s == GemmSchedule::kRows && e == GemmEpilogue::kSwiGLU && !gather_a;
+constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e) {
+  return s == GemmSchedule::kRows && e == GemmEpilogue::kSwiGLU;
 }
 
 // The variant built with 192-row tail tiles (GemmConfig::merge_tails): FC2 (plain store, K-major weights, a

@@ -2,7 +2,7 @@
 //
 // One CTA per SM, persistent. Warpgroup 0 is the producer: one thread walks the tile
 // sequence and issues TMA loads into a ring of stages guarded by mbarriers; when the A
-// rows are gathered from the tokens, all 128 threads of the warpgroup copy them (cp.async
+// rows are gathered from the tokens, the 32 lanes of that thread's warp copy them (cp.async
 // into the swizzled layout), because TMA has no row gather on sm_90.
 // Warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128 x 256 tile as one
 // 64 x 256 fp32 accumulator (m64n256 wgmma, the widest: least shared-memory traffic per
@@ -97,6 +97,8 @@ struct SharedStorage {
   uint64_t act_full[2];
   uint64_t act_empty[2];
   int32_t act_job[2][2];
+  // A gathered A: where the current tile's rows start in x, in the order the gathering lanes read them.
+  alignas(16) int32_t gather_tokens[128];
   // 192-row tail tiles (GemmConfig::merge_tails): the staging boxes hold one 64-row A slice per stage while such a
   // tile's k-slices load; the consumers release them (every thread) once no store or job uses them.
   uint64_t staging_free;
@@ -200,6 +202,15 @@ __device__ __forceinline__ void cluster_sync() {
 // 16 bytes into shared memory, or 16 zero bytes when `bytes` is 0 (src is then not read).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+// 16 bytes into shared memory from src, or 16 zero bytes where at < 0 (src is then not read).
+__device__ __forceinline__ void cp_async_16_unless_negative(uint32_t dst, const void* src, int32_t at) {
+  asm volatile(
+      "{\n\t.reg .pred zeros;\n\tsetp.lt.s32 zeros, %2, 0;\n\t"
+      "cp.async.cg.shared.global [%0], [%1], 16, zeros;\n\t}" ::"r"(dst),
+      "l"(src), "r"(at)
+      : "memory");
 }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
@@ -430,10 +441,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   const GroupedGemmArgs& args = p.args;
   extern __shared__ uint8_t smem_raw[];
   constexpr int kStages = Pipeline<S, E>::kStages;
-  constexpr bool kPairs = gemm_pairs_rows(S, BKMajor, GatherA);
+  constexpr bool kPairs = gemm_pairs_rows(S, BKMajor);
   // FC1's activation by two warps of the producer warpgroup (one per consumer warpgroup), off the consumers'
   // critical path: see the epilogue.
-  constexpr bool kActWarps = gemm_activation_warps(S, E, GatherA);
+  constexpr bool kActWarps = gemm_activation_warps(S, E);
   const bool act_warps = kActWarps && p.activation_warps;
   // 192-row tail tiles (FC2): their tail rows' A slices go into the staging boxes, one 64-row slice per stage.
   constexpr bool kMerge = gemm_merges_tails(S, E, BKMajor, GatherA);
@@ -446,8 +457,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      // The TMA thread's arrival, plus one per gathering thread.
-      cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], GatherA ? 129 : 1);
+      // The TMA thread's arrival, plus one per lane of the gathering warp.
+      cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], GatherA ? 33 : 1);
       cutlass::arch::ClusterBarrier::init(&smem.empty[s], 8);  // one arrival per consumer warp
     }
     for (int s = 0; s < 2; ++s) {
@@ -487,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // it (GemmConfig::claim_tiles), which keeps CTAs near each other in the tile sequence when tiles
   // differ in length. Both give the same bits: a tile's result does not depend on which CTA
   // computes it.
-  const bool claimed = gemm_claims_tiles(S, E, GatherA) && p.claim_tiles;
+  const bool claimed = gemm_claims_tiles(S, E) && p.claim_tiles;
   // Every grid-th tile, or with paired row blocks (GemmConfig::pair_rows, launched as 2-CTA clusters) every
   // cluster-count-th pair of row blocks 2q and 2q + 1 in one column tile, of which this CTA takes the one its rank in
   // the cluster names. Past the last real tile of the sequence comes none (a CTA of rank 1 stops where the row
@@ -538,8 +549,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   if (warpgroup == 0) {
     // Exactly what the consumers take: setmaxnreg grows them only from registers the producer gave back. The
-    // gathering producer's 128 threads hold more (40 made them spill), and its consumers fit in 224.
-    cutlass::arch::warpgroup_reg_dealloc<GatherA ? 48 : 40>();
+    // gathering warp holds more (its copies' addresses), and its consumers fit in 224.
+    cutlass::arch::warpgroup_reg_dealloc<GatherA ? 56 : 40>();
     const int ptid = threadIdx.x;
     if (act_warps && ptid >= 32 && ptid < 96) {
       // Activation warp of consumer warpgroup w: per job, the 64 x 64 gate and up boxes go to h by TMA (when
@@ -588,7 +599,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       return;
     }
-    if (ptid >= (GatherA ? 128 : 1)) return;
+    if (ptid >= (GatherA ? 32 : 1)) return;
     if (ptid == 0) {
       if (!GatherA) asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_a) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(&p.tma_b) : "memory");
@@ -631,7 +642,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       return gridDim.x + uint32_t(atomicAdd(args.tile_counter, 1));
     };
-    for (uint32_t t = first_tile();; t = claimed ? claim_next() : next_tile(t)) {
+    // Gathering, the whole warp walks the tiles; lane 0 claims them.
+    auto claim_in_warp = [&]() -> uint32_t {
+      if constexpr (GatherA) return __shfl_sync(~0u, ptid == 0 ? claim_next() : 0u, 0);
+      return claim_next();
+    };
+    for (uint32_t t = first_tile();; t = claimed ? claim_in_warp() : next_tile(t)) {
       const bool past_last = t >= walker.total;
       const Tile tile = past_last ? Tile{} : walker.at(t);
       if (ptid == 0) pass_tile(passed++, past_last ? -1 : int32_t(t), tile);
@@ -655,20 +671,29 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         asm volatile("fence.proxy.async.global;" ::: "memory");
         ready_expert = tile.expert;
       }
-      // Gathered A: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i, so each warp
-      // instruction moves 4 whole 128-byte row segments. The token of row i (-1: padding, zeros), looked up again
-      // per k-slice (cached in L1): eight tokens held across the k-slices made the producer spill.
-      // A half tile's 64 rows fill both halves of the A tile (see the consumers).
-      auto token = [&](int i) {
-        const int32_t slot = args.a_row_src[tile.m0 + (ptid / 8 + 16 * i) % tile.rows];
-        return slot >= 0 ? slot / args.a_src_div : -1;
-      };
+      // Gathered A: where each row's token starts in x (in 16-byte units; -1: a padding row, zeros) goes into
+      // shared memory once per tile, so that no k-slice waits for a global load before its copies (looked up per
+      // k-slice, FC1 ran 2.4x slower than gather_rows + TMA: twenty-fourth session). Lane l copies 16-byte chunk
+      // l % 8 of rows l / 8 + 4 i; gather_tokens[(r % 4) * 32 + r / 4] is row r's, so a lane's are consecutive. Rows
+      // past a half tile's 64 repeat them (its unsplit form reads 128 rows and stores 64).
+      if constexpr (GatherA) {
+        __syncwarp();
+        if (tile.k_tiles > 0) {
+          CUTE_UNROLL
+          for (int j = 0; j < 4; ++j) {
+            const int r = ptid + 32 * j;
+            const int32_t slot = args.a_row_src[tile.m0 + r % tile.rows];
+            smem.gather_tokens[(r % 4) * 32 + r / 4] = slot >= 0 ? slot / args.a_src_div * (args.k / 8) : -1;
+          }
+        }
+        __syncwarp();
+      }
       const bool merged = kMerge && tile.rows > kGemmTileM;
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
         cutlass::arch::ClusterBarrier::wait(&smem.empty[stage], pos.phase ^ 1);
-        if (shared) {
+        if (shared && ptid == 0) {
           // The peer's stage is written too: its consumers must be done with it as well. Each producer arrives on the
           // other's pair_empty once its own consumers are, so a stage's next use waits for this one's on both sides.
           arrive_remote(&smem.pair_empty[stage], cluster_rank() ^ 1);
@@ -714,14 +739,25 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           }
         }
         if constexpr (GatherA) {
-          // The 128-byte swizzle TMA would apply; r % 8 is the same for all of this thread's rows.
+          // The 128-byte swizzle TMA would apply: rows r and r + 8 swizzle alike. A split half tile's 64 rows go to
+          // the rows of the consumer warpgroup that reads the k-slice (kt % 2).
           const int chunk = ptid % 8;
-          const uint32_t dst = smem_addr(sa) + swizzled(ptid / 8, 8 * chunk);
+          const int row0 = (tile.split ? 64 * (kt % 2) : 0) + ptid / 8;
+          const uint32_t dst[2] = {smem_addr(sa) + swizzled(row0, 8 * chunk), smem_addr(sa) + swizzled(row0 + 4, 8 * chunk)};
+          const auto* src = reinterpret_cast<const uint4*>(tokens + k0 + 8 * chunk);
+          const uint32_t lane_rows = smem_addr(smem.gather_tokens + (ptid / 8) * 32);
+          const int quads = tile.split ? 4 : 8;
           CUTE_UNROLL
-          for (int i = 0; i < 8; ++i) {
-            const int32_t src = token(i);
-            cp_async_16(dst + 16 * 128 * i, src >= 0 ? tokens + int64_t(src) * args.k + k0 + 8 * chunk : tokens,
-                        src >= 0 ? 16 : 0);
+          for (int q = 0; q < 8; ++q) {
+            if (q < quads) {
+              const uint4 tok = ld_shared_v4(lane_rows + 16 * q);
+              const int32_t row_tokens[4] = {int32_t(tok.x), int32_t(tok.y), int32_t(tok.z), int32_t(tok.w)};
+              CUTE_UNROLL
+              for (int j = 0; j < 4; ++j) {
+                const int i = 4 * q + j;  // rows row0 + 4 i
+                cp_async_16_unless_negative(dst[i % 2] + 8 * 128 * (i / 2), src + row_tokens[j], row_tokens[j]);
+              }
+            }
           }
           cp_async_arrive(bar);
         }
@@ -1047,6 +1083,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     auto k_slice = [&](int32_t kt, auto submits) {
       const int stage = pos.stage;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
+      // Gathered rows were written by cp.async (the generic proxy); wgmma reads them through the async proxy.
+      if constexpr (GatherA) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       CUTE_UNROLL

@@ -258,7 +258,7 @@ def test_gemm_overrides_are_checked(monkeypatch):
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
 @pytest.mark.parametrize("tokens", [1, 17, 4095])
 def test_fc1_gather_equals_fc1_of_gathered_rows(tokens, routing, shape):
-    """The gather fused into FC1's loads (cp.async by the producer warpgroup) gives the same bits
+    """The gather fused into FC1's loads (cp.async by the producer's first warp) gives the same bits
     as FC1 over rows gathered beforehand, and matches the CPU kernel; padding rows are zeros."""
     hidden, inter = SHAPES[shape]
     g = gather_operands(tokens, 8, 16, hidden, inter, routing, seed=tokens, device="cuda")
@@ -269,6 +269,30 @@ def test_fc1_gather_equals_fc1_of_gathered_rows(tokens, routing, shape):
     assert torch.equal(h, h_ref) and torch.equal(a, a_ref)
     cpu = ops.fc1_swiglu_gather(g.x.cpu(), g.row_to_slot.cpu(), g.top_k, g.w1.cpu(), g.offsets.cpu(), True)
     assert_rows_close("fc1 gathered h", h, cpu[1])
+    assert not h[g.row_to_slot < 0].any(), "padding rows must be zeros"
+
+
+@pytest.mark.parametrize("activation", ["warps", "consumers"])
+@pytest.mark.parametrize("pairs", ["0", "1"])
+@pytest.mark.parametrize("order", ["static", "claimed"])
+def test_fc1_gather_schedules_give_the_bits_of_fc1(monkeypatch, order, pairs, activation):
+    """The gathered FC1 in every schedule its variant has (tile order, paired row blocks sharing the weight tile,
+    the activation by the producer's warps or by the consumers): the bits of FC1 over rows gathered beforehand, on
+    poisoned outputs, padding rows zeros; ~1,000 rows per expert (pairs of one expert's blocks), 32 k-slices,
+    half tiles, ~12 tiles per CTA."""
+    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
+    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
+    monkeypatch.setenv("PRIMEMOE_FC1_ACTIVATION", activation)
+    g = gather_operands(3000, 8, 16, 2048, 1536, "masked", seed=24, device="cuda")
+    xs = ops.gather_rows(g.x, g.row_to_slot, g.top_k, None)
+    a_ref, h_ref = ops.fc1_swiglu(xs, g.w1, g.offsets, True)
+    before = ops.paired_gemm_launches(torch.cuda.current_device())
+    poison_caching_allocator()
+    a, h = ops.fc1_swiglu_gather(g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, True)
+    torch.cuda.synchronize()
+    assert ops.paired_gemm_launches(torch.cuda.current_device()) == before + int(pairs), "pairs not as asked"
+    assert not h_ref.isnan().any()
+    assert torch.equal(h, h_ref) and torch.equal(a, a_ref)
     assert not h[g.row_to_slot < 0].any(), "padding rows must be zeros"
 
 
