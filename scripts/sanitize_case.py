@@ -1,4 +1,4 @@
-"""A small forward+backward through every primemoe CUDA kernel, for compute-sanitizer.
+"""A small forward+backward through every primemoe CUDA kernel, and the gathered FC1, for compute-sanitizer.
 Usage: python scripts/sanitize_case.py [T H I E K] (default 77 256 256 8 4)."""
 import sys
 
@@ -19,6 +19,9 @@ assert primemoe.ops.use_engine(x, w1), "the engine does not cover this case: the
 y = primemoe.moe(x, topk_idx, topk_weights, w1, w2)
 y.backward(torch.randn_like(y))
 layout = torch.ops.primemoe.dispatch_layout(topk_idx.int(), E, 2, min(4, E - 2), 128)
+# The gathered FC1 (not on the layer's path).
+_, offsets, _, row_to_slot = torch.ops.primemoe.dispatch_layout(topk_idx, E, 0, E, primemoe.ops.ROW_ALIGN)
+torch.ops.primemoe.fc1_swiglu_gather(x.detach(), row_to_slot, K, w1.detach(), offsets, True)
 torch.cuda.synchronize()
 primemoe.check_errors()
 print("sanitize case ok", float(y.float().norm()), int(layout[1][-1]))
