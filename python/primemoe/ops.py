@@ -12,9 +12,9 @@ weighted rows. The engine's ops:
 - ``fc1_swiglu``: FC1 with SwiGLU in the epilogue over rows in expert-major order
   (pre-activations kept on request), with the producer's wait on arrival counters for
   expert parallelism;
-- ``fc1_swiglu_gather``: the same with its A rows gathered from the tokens by the
-  producer warpgroup's cp.async copies; not used by the layer, because on the H200 the
-  separate ``gather_rows`` + TMA loads measured faster (benchmarks/RESULTS.md);
+- ``fc1_swiglu_gather``: the same with its A rows gathered from the tokens by one
+  producer warp's cp.async copies; not used by the layer, because on the H200 the
+  separate ``gather_rows`` + TMA loads measured faster (1.4-1.6x, benchmarks/RESULTS.md);
 - ``expert_gemm``: FC2 forward (routing weight applied in the epilogue) and FC1 dgrad;
 - ``fc2_dgrad_swiglu``: FC2 dgrad with the SwiGLU backward, the routing weight and the
   ``<da, a>`` routing-weight gradient partials in the epilogue;
