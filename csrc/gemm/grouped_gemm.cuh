@@ -163,9 +163,10 @@ constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major) {
 bool gemm_pairs_pay(const GroupedGemmArgs& args);
 
 // The variants built with activation warps (GemmConfig::activation_warps): FC1, also with a gathered A (its copies
-// take the producer warpgroup's first warp, the activation its second and third). The consumers then hand the pre-activations over and never compute the
-// activation, which measured 3.9% (Qwen3-235B) / 5.9% (Qwen3-30B) of FC1 with the tensor cores idle; FC1 -2.5% /
-// -2.8% back to back on the H200 (benchmarks/RESULTS.md, nineteenth session).
+// take the producer warpgroup's first warp, the activation its second and third). The consumers then hand the
+// pre-activations over and never compute the activation, which measured 3.9% (Qwen3-235B) / 5.9% (Qwen3-30B) of FC1
+// with the tensor cores idle; FC1 -2.5% / -2.8% back to back on the H200 (benchmarks/RESULTS.md, nineteenth
+// session).
 constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e) {
   return s == GemmSchedule::kRows && e == GemmEpilogue::kSwiGLU;
 }
@@ -174,8 +175,9 @@ constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e) {
 // TMA-loaded A; its two staging boxes per consumer warpgroup, 32 KiB, hold the tail rows' 64-row A slices, one per
 // stage). A 64-row tile took as long as a full one at Qwen3-235B (its k-slices wait on the 32 KiB weight slice, not
 // on the tensor cores: benchmarks/RESULTS.md, twenty-first session); merged, that slice serves 192 rows in one CTA.
-// FC2 at 235B T = 8192 measured -2.4%; FC1 merged the same way +4% (twenty-third session), and with MN-major
-// weights (FC1 dgrad) ptxas serialised the wgmma (C7514).
+// FC2 at 235B T = 8192 measured -2.4% (twenty-third session) and -2.3%, the forward -0.6% (twenty-fourth); FC1
+// merged the same way +4% (likely because its activation jobs hold the boxes into the next tile; not measured), and
+// with MN-major weights (FC1 dgrad) ptxas serialised the wgmma (C7514).
 constexpr bool gemm_merges_tails(GemmSchedule s, GemmEpilogue e, bool b_k_major, bool gather_a) {
   return s == GemmSchedule::kRows && e == GemmEpilogue::kStore && b_k_major && !gather_a;
 }

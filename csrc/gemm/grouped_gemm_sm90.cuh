@@ -743,7 +743,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           // the rows of the consumer warpgroup that reads the k-slice (kt % 2).
           const int chunk = ptid % 8;
           const int row0 = (tile.split ? 64 * (kt % 2) : 0) + ptid / 8;
-          const uint32_t dst[2] = {smem_addr(sa) + swizzled(row0, 8 * chunk), smem_addr(sa) + swizzled(row0 + 4, 8 * chunk)};
+          const uint32_t dst[2] = {smem_addr(sa) + swizzled(row0, 8 * chunk),
+                                   smem_addr(sa) + swizzled(row0 + 4, 8 * chunk)};
           const auto* src = reinterpret_cast<const uint4*>(tokens + k0 + 8 * chunk);
           const uint32_t lane_rows = smem_addr(smem.gather_tokens + (ptid / 8) * 32);
           const int quads = tile.split ? 4 : 8;
