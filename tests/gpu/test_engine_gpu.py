@@ -346,14 +346,18 @@ def test_engine_ops_are_bitwise_repeatable():
     assert torch.equal(w, ops.expert_wgrad(gpu.h, gpu.xs, gpu.offsets))
 
 
-@pytest.mark.parametrize("pairs", ["0", "1"])
+@pytest.mark.parametrize("schedule", [{"PRIMEMOE_GEMM_PAIRS": "0"}, {"PRIMEMOE_GEMM_PAIRS": "1"},
+                                      {"PRIMEMOE_GEMM_PAIRS": "0", "PRIMEMOE_GEMM_MERGE_TAILS": "1"}],
+                         ids=["unpaired", "paired", "merged_tails"])
 @pytest.mark.parametrize("counts", ["mixed", "all_empty"])
-def test_zero_unrouted_false_keeps_the_routed_rows(monkeypatch, counts, pairs):
+def test_zero_unrouted_false_keeps_the_routed_rows(monkeypatch, counts, schedule):
     """zero_unrouted=False skips the tiles past the routed rows (300 spare rows: two whole tiles and part
     of a third) and nothing else: the routed rows are bitwise those of the zeroing run, the rest keep
     the allocator's poison. Paired row blocks forced on and off (PRIMEMOE_GEMM_PAIRS): a pair whose second
-    block is past the routed rows, or absent, must not share with it."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
+    block is past the routed rows, or absent, must not share with it. FC2's 192-row tail tiles forced on (the EP
+    path's FC2 merges them where the weights are large): the last expert's tail among them."""
+    for name, value in schedule.items():
+        monkeypatch.setenv(name, value)
     hidden, inter = SHAPES["small"]
     g = engine_operands(COUNTS[counts], hidden, inter, seed=5, device="cuda", spare_rows=300)
     routed = int(g.offsets[-1])
