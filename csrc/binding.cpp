@@ -837,6 +837,8 @@ void check_fc1_gather_args(const at::Tensor& x, const at::Tensor& row_to_slot, i
   check_index(row_to_slot, "row_to_slot", 1);
   check_same_device(row_to_slot, x, "row_to_slot");
   PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
+  // The kernel holds where each row starts in x in 16-byte units, as int32.
+  PRIMEMOE_CHECK(x.numel() / 8 < (int64_t(1) << 31), "x: expected fewer than 2^34 elements, got ", x.numel());
   // The kernel reads token row_to_slot[r] / top_k of x unchecked: the map must be the layout of x's slots.
   const int64_t rows = layout_max_rows(x.size(0) * top_k, static_cast<int32_t>(w1.size(0)), kGemmRowAlign);
   PRIMEMOE_CHECK(row_to_slot.numel() == rows, "row_to_slot: expected the ", rows, " rows of dispatch_layout over x's ",
