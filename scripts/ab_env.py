@@ -7,14 +7,13 @@ Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claim
 Prints and writes, per shape, tokens, stage (gather, fc1, fc1_no_h, gather_fc1, fc1_gathered, fc2, forward,
 forward_gathered, backward) and variant, the median ms of each round."""
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 
-from layer_inputs import add_shapes_argument, layer_inputs
+from layer_inputs import add_timing_arguments, layer_inputs, time_shapes
 from primemoe import ops
 from primemoe.bench import SHAPES
 
@@ -88,23 +87,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variant", action="append", required=True, type=parse_variant,
                    help="name=VAR=value[,VAR=value...] (name= alone: no overrides)")
-    add_shapes_argument(p)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--secs", type=float, default=1.0)
+    add_timing_arguments(p, secs=1.0)
     p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
                    help="of gather, fc1, fc1_no_h (h not kept), gather_fc1 (the two in a row), fc1_gathered "
                         "(fc1_swiglu_gather), fc2, forward, forward_gathered, backward")
-    p.add_argument("--out")
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}
-    results = {}
-    for shape, T in a.shapes:
-        time_shape(shape, T, a, overridden, results)
-        torch.cuda.empty_cache()
-    if a.out:
-        json.dump({"device": torch.cuda.get_device_name(), "variants": dict(a.variant), "ms": results},
-                  open(a.out, "w"), indent=1)
-
+    time_shapes(a, lambda shape, T, results: time_shape(shape, T, a, overridden, results), "ms",
+                variants=dict(a.variant))
 
 if __name__ == "__main__":
     main()

@@ -10,13 +10,12 @@ alternating:
 Usage: python scripts/gather_path_probe.py [--shapes qwen3-235b-a22b:8192 ...] [--rounds 3] [--secs 0.5] [--out f.json]
 (tokens: the layer's T; the top_k = 1 cases use T * K tokens, as many rows as the layer routes)."""
 import argparse
-import json
 import statistics
 
 import torch
 
 from ab_env import phase_ms
-from layer_inputs import add_shapes_argument, layer_inputs
+from layer_inputs import add_timing_arguments, layer_inputs, time_shapes
 from primemoe import ops
 from primemoe.bench import SHAPES
 
@@ -56,18 +55,9 @@ def probe(shape, T, a, results):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_shapes_argument(p)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--secs", type=float, default=0.5)
-    p.add_argument("--out")
+    add_timing_arguments(p, secs=0.5)
     a = p.parse_args()
-    results = {}
-    for shape, T in a.shapes:
-        probe(shape, T, a, results)
-        torch.cuda.empty_cache()
-    if a.out:
-        json.dump({"device": torch.cuda.get_device_name(), "ms": results}, open(a.out, "w"), indent=1)
-
+    time_shapes(a, lambda shape, T, results: probe(shape, T, a, results), "ms")
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """The single-GPU layer's inputs for the diagnostic scripts, so that they all time the same tensors: from one
 seeded CUDA generator, in this order, x, the router logits (top-k routing), w1, w2 and dy."""
 import argparse
+import json
 
 import torch
 
@@ -25,6 +26,25 @@ def add_shapes_argument(parser):
     parsed into ``(shape, tokens)`` pairs."""
     parser.add_argument("--shapes", nargs="+", type=_shape_tokens,
                         default=[("qwen3-235b-a22b", 8192), ("qwen3-30b-a3b", 16384)], help="shape:tokens ...")
+
+
+def add_timing_arguments(parser, secs):
+    """The timing scripts' common options: --shapes, --rounds, --secs (per timed phase), --out (a JSON file)."""
+    add_shapes_argument(parser)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--secs", type=float, default=secs)
+    parser.add_argument("--out")
+
+
+def time_shapes(args, time_one, key, **extra):
+    """``time_one(shape, tokens, results)`` for each of ``args.shapes``; then ``results``, under ``key`` beside the
+    device's name and ``extra``, into ``args.out`` (if given)."""
+    results = {}
+    for shape, T in args.shapes:
+        time_one(shape, T, results)
+        torch.cuda.empty_cache()
+    if args.out:
+        json.dump({"device": torch.cuda.get_device_name(), **extra, key: results}, open(args.out, "w"), indent=1)
 
 
 def _shape_tokens(spec):

@@ -9,14 +9,13 @@ All four run on the same random rows (padding rows are random here, not zeros), 
 Prints each layout's median ms against F's, beside its row count against F's.
 Usage (on the GPU machine, from scripts/): python layout_cost.py [--shapes shape:tokens ...] [--out f.json]"""
 import argparse
-import json
 import os
 import statistics
 
 import torch
 
 from ab_env import phase_ms
-from layer_inputs import add_shapes_argument, layer_inputs
+from layer_inputs import add_timing_arguments, layer_inputs, time_shapes
 from primemoe import ops
 from primemoe.bench import SHAPES
 
@@ -64,18 +63,9 @@ def time_shape(shape, T, rounds, secs, results):
 
 def main():
     p = argparse.ArgumentParser()
-    add_shapes_argument(p)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--secs", type=float, default=0.5)
-    p.add_argument("--out")
+    add_timing_arguments(p, secs=0.5)
     a = p.parse_args()
-    results = {}
-    for shape, T in a.shapes:
-        time_shape(shape, T, a.rounds, a.secs, results)
-        torch.cuda.empty_cache()
-    if a.out:
-        json.dump({"device": torch.cuda.get_device_name(), "results": results}, open(a.out, "w"), indent=1)
-
+    time_shapes(a, lambda shape, T, results: time_shape(shape, T, a.rounds, a.secs, results), "results")
 
 if __name__ == "__main__":
     main()
