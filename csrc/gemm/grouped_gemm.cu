@@ -179,7 +179,7 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && claimed_order_pays(a)));
   config.activation_warps = gemm_activation_warps(a.schedule, a.epilogue) && activation == Fc1Activation::kWarps;
   // Pairs forced on win over merged tails: a pair's two CTAs take row blocks of one height.
-  config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major, a.a_row_src != nullptr) &&
+  config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major) &&
                        pairs != PairRows::kOn &&
                        (merge == MergeTails::kOn || (merge == MergeTails::kAuto && gemm_merge_pays(a)));
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major) && !config.merge_tails &&

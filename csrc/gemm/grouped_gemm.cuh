@@ -176,10 +176,10 @@ constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e) {
 // stage). A 64-row tile took as long as a full one at Qwen3-235B (its k-slices wait on the 32 KiB weight slice, not
 // on the tensor cores: benchmarks/RESULTS.md, twenty-first session); merged, that slice serves 192 rows in one CTA.
 // FC2 at 235B T = 8192 measured -2.4% (twenty-third session) and -2.3%, the forward -0.6% (twenty-fourth); FC1
-// merged the same way +4% (likely because its activation jobs hold the boxes into the next tile; not measured), and
-// with MN-major weights (FC1 dgrad) ptxas serialised the wgmma (C7514).
-constexpr bool gemm_merges_tails(GemmSchedule s, GemmEpilogue e, bool b_k_major, bool gather_a) {
-  return s == GemmSchedule::kRows && e == GemmEpilogue::kStore && b_k_major && !gather_a;
+// merged the same way +4% (why is not measured; docs/fused-kernel-plan.md has the numbers), and with MN-major
+// weights (FC1 dgrad) ptxas serialised the wgmma (C7514).
+constexpr bool gemm_merges_tails(GemmSchedule s, GemmEpilogue e, bool b_k_major) {
+  return s == GemmSchedule::kRows && e == GemmEpilogue::kStore && b_k_major;
 }
 
 // Where the heuristics merge tails: FC2 where tiles are claimed (experts' weights above 8 MiB; in the static order

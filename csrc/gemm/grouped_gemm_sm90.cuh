@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   constexpr bool kActWarps = gemm_activation_warps(S, E);
   const bool act_warps = kActWarps && p.activation_warps;
   // 192-row tail tiles (FC2): their tail rows' A slices go into the staging boxes, one 64-row slice per stage.
-  constexpr bool kMerge = gemm_merges_tails(S, E, BKMajor, GatherA);
+  constexpr bool kMerge = gemm_merges_tails(S, E, BKMajor);
   static_assert(!kMerge || sizeof(SharedStorageOf<S, E>::staging) == kStages * kBoxBytes, "a tail slice per stage");
   static_assert(!kMerge || E == GemmEpilogue::kStore, "the tail's epilogue is a plain store");
   const bool merge = kMerge && p.merge_tails;
