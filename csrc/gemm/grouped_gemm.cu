@@ -164,7 +164,9 @@ bool claimed_order_pays(const GroupedGemmArgs& a) {
 
 }  // namespace
 
-bool gemm_merge_pays(const GroupedGemmArgs& a) { return a.hook.counters == nullptr && claimed_order_pays(a); }
+bool gemm_merge_pays(const GroupedGemmArgs& a) {
+  return a.epilogue == GemmEpilogue::kStore && a.hook.counters == nullptr && claimed_order_pays(a);
+}
 
 bool gemm_pairs_pay(const GroupedGemmArgs& a) {
   return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && claimed_order_pays(a);
@@ -179,8 +181,8 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && claimed_order_pays(a)));
   config.activation_warps = gemm_activation_warps(a.schedule, a.epilogue) && activation == Fc1Activation::kWarps;
   // Pairs forced on win over merged tails: a pair's two CTAs take row blocks of one height.
-  config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major) &&
-                       pairs != PairRows::kOn &&
+  config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major, a.a_row_src != nullptr) &&
+                       (a.epilogue != GemmEpilogue::kSwiGLU || config.activation_warps) && pairs != PairRows::kOn &&
                        (merge == MergeTails::kOn || (merge == MergeTails::kAuto && gemm_merge_pays(a)));
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major) && !config.merge_tails &&
                      (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));

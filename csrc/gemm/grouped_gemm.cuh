@@ -107,8 +107,8 @@ struct GemmConfig {
   bool pair_rows;
   // FC1 (gemm_activation_warps): two producer warps compute the activation from the consumers' pre-activations.
   bool activation_warps;
-  // FC2 (gemm_merges_tails): an expert's last 64 rows join its last full block as one 192-row tile, whose
-  // k-slices carry the weight slice once for 192 rows. Not with pair_rows.
+  // kRows (gemm_merges_tails): an expert's last 64 rows join its last full block as one 192-row tile, whose
+  // k-slices carry the weight slice once for 192 rows. Not with pair_rows; FC1 only with activation_warps.
   bool merge_tails;
 };
 
@@ -171,19 +171,20 @@ constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e) {
   return s == GemmSchedule::kRows && e == GemmEpilogue::kSwiGLU;
 }
 
-// The variant built with 192-row tail tiles (GemmConfig::merge_tails): FC2 (plain store, K-major weights, a
+// The variants built with 192-row tail tiles (GemmConfig::merge_tails): FC2 and FC1 (K-major weights, a
 // TMA-loaded A; its two staging boxes per consumer warpgroup, 32 KiB, hold the tail rows' 64-row A slices, one per
 // stage). A 64-row tile took as long as a full one at Qwen3-235B (its k-slices wait on the 32 KiB weight slice, not
 // on the tensor cores: benchmarks/RESULTS.md, twenty-first session); merged, that slice serves 192 rows in one CTA.
 // FC2 at 235B T = 8192 measured -2.4% (twenty-third session) and -2.3%, the forward -0.6% (twenty-fourth); FC1
-// merged the same way +4% (why is not measured; docs/fused-kernel-plan.md has the numbers), and with MN-major
-// weights (FC1 dgrad) ptxas serialised the wgmma (C7514).
-constexpr bool gemm_merges_tails(GemmSchedule s, GemmEpilogue e, bool b_k_major) {
-  return s == GemmSchedule::kRows && e == GemmEpilogue::kStore && b_k_major;
+// merged the same way +4% (likely because its activation jobs hold the boxes into the next tile; not measured), and
+// with MN-major weights (FC1 dgrad) ptxas serialised the wgmma (C7514).
+constexpr bool gemm_merges_tails(GemmSchedule s, GemmEpilogue e, bool b_k_major, bool gather_a) {
+  return s == GemmSchedule::kRows && e != GemmEpilogue::kSwiGLUBackward && b_k_major && !gather_a;
 }
 
 // Where the heuristics merge tails: FC2 where tiles are claimed (experts' weights above 8 MiB; in the static order
 // merged tiles, 1.5 tiles long, unbalanced the CTAs: +2% at Qwen3-30B), outside the rows-ready hook (not measured).
+// FC1 only where forced (PRIMEMOE_GEMM_MERGE_TAILS=1), for experiments.
 bool gemm_merge_pays(const GroupedGemmArgs& args);
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).

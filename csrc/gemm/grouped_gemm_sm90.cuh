@@ -195,6 +195,11 @@ __device__ __forceinline__ void put_remote(int32_t* slot, uint64_t* bar, int32_t
   arrive_remote_release(bar, rank);
 }
 
+// `count` arrivals by this thread on a barrier of this CTA (release: its earlier accesses come before).
+__device__ __forceinline__ void arrive_count(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
@@ -446,11 +451,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // critical path: see the epilogue.
   constexpr bool kActWarps = gemm_activation_warps(S, E);
   const bool act_warps = kActWarps && p.activation_warps;
-  // 192-row tail tiles (FC2): their tail rows' A slices go into the staging boxes, one 64-row slice per stage.
-  constexpr bool kMerge = gemm_merges_tails(S, E, BKMajor);
+  // 192-row tail tiles: their tail rows' A slices go into the staging boxes, one 64-row slice per stage. FC1 hands
+  // their epilogue to the activation warps only.
+  constexpr bool kMerge = gemm_merges_tails(S, E, BKMajor, GatherA);
   static_assert(!kMerge || sizeof(SharedStorageOf<S, E>::staging) == kStages * kBoxBytes, "a tail slice per stage");
-  static_assert(!kMerge || E == GemmEpilogue::kStore, "the tail's epilogue is a plain store");
-  const bool merge = kMerge && p.merge_tails;
+  const bool merge = kMerge && p.merge_tails && (E != GemmEpilogue::kSwiGLU || act_warps);
   auto& smem =
       *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
@@ -471,7 +476,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if constexpr (kActWarps) {
       for (int w = 0; w < 2; ++w) {
-        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 128);  // every thread of the consumer warpgroup
+        // Every thread of the consumer warpgroup arrives twice (a tail tile's job: every thread of both, once).
+        cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 256);
         cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], 32);  // every lane of the activation warp
       }
     }
@@ -777,8 +783,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   }
 
   cutlass::arch::warpgroup_reg_alloc<GatherA ? 224 : 232>();
-  // The thread index read again: a value derived from it before the role split would be held across it, in
-  // registers that a merged tile's two accumulators (192) need (it spilled).
+  // The thread index read again: one derived before the role split would be held across it, in the few registers
+  // that the accumulators leave free there (a merged tile's take all but 24 of those below setmaxnreg's).
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
   const int ct = int(tid) - 128;
@@ -883,7 +889,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       asm volatile("" ::: "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    cutlass::arch::ClusterBarrier::arrive(&smem.act_full[wg]);
+    arrive_count(&smem.act_full[wg], 2);
     ++act_jobs;
   };
   auto submit_job = [&](auto gate_pair, auto up_pair, int32_t rows_at, int32_t col) {
@@ -905,10 +911,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
-  // A 192-row tile (merge, FC2): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along
-  // N, warpgroup w multiplying them by the tile's weight half w (m64n128), their A slices read from the staging
-  // boxes. The boxes go to the producer first (the deferred round stored and read by TMA), and are written again
-  // once both warpgroups are done with the last slice; the tail's epilogue comes first.
+  // A 192-row tile (merge): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along N,
+  // warpgroup w multiplying them by the tile's weight half w (m64n128; FC1: gate, up), their A slices read from the
+  // staging boxes. The boxes go to the producer first (the deferred round and the activation jobs done with them),
+  // and are written again once both warpgroups are done with the last slice; the tail's epilogue comes first.
   using TailAtom = SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, major<BKMajor>()>;
   auto tail_mma = make_tiled_mma(TailAtom{});
   auto thr_tail = tail_mma.get_slice(wtid);
@@ -917,54 +923,87 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   Tensor tTrA = thr_tail.make_fragment_A(thr_tail.partition_A(sTailA));
   Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sHalfB));
   auto merged_tile = [&](const Tile& tile) {
-    if constexpr (kMerge) {
-      if (holding) store_held();
-      if (wtid == 0) store_wait_read();
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
-      const int32_t tail_row0 = tile.m0 + kGemmTileM;
-      Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _128>{});
-      CUTE_STATIC_ASSERT_V(size(acc_t) == Int<kHalf>{});
-      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-      tail_mma.accumulate_ = GMMA::ScaleOut::Zero;
-      RingPos<kStages> pos = ring;
-      int prev_stage = 0;
-      uint32_t prev_phase = 0;
-      // A do-while: a merged tile has k-slices (K >= 64), and a path around the loop would join the accumulators
-      // before the last wait, where ptxas then serialises every wgmma (C7514).
-      int32_t kt = 0;
-      do {
-        const int stage = pos.stage;
-        cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
-        warpgroup_fence_operand(acc);
-        warpgroup_fence_operand(acc_t);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-          cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
-          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tTrA); ++kb) {
-          cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 2 * stage + wg), acc_t);
-          tail_mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(acc);
-        warpgroup_fence_operand(acc_t);
-        if (kt > 0) release(prev_stage, 1);
-        prev_stage = stage;
-        prev_phase = pos.phase;
-        pos.step(1);
-      } while (++kt < tile.k_tiles);
-      warpgroup_wait<0>();
+    if (holding) {
+      if (kActWarps && act_warps) {
+        submit_held();
+      } else {
+        store_held();
+      }
+    }
+    if (kActWarps && act_warps) {
+      await_boxes();
+    } else if (wtid == 0) {
+      store_wait_read();
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
+    const int32_t tail_row0 = tile.m0 + kGemmTileM;
+    Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _128>{});
+    CUTE_STATIC_ASSERT_V(size(acc_t) == Int<kHalf>{});
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    tail_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    RingPos<kStages> pos = ring;
+    int prev_stage = 0;
+    uint32_t prev_phase = 0;
+    // A do-while: a merged tile has k-slices (K >= 64), and a path around the loop would join the accumulators
+    // before the last wait, where ptxas then serialises every wgmma (C7514).
+    int32_t kt = 0;
+    do {
+      const int stage = pos.stage;
+      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
       warpgroup_fence_operand(acc);
       warpgroup_fence_operand(acc_t);
-      release(prev_stage, 1);
-      ring.advance(tile.k_tiles);
-      // Both warpgroups' wgmma are done with the staging boxes once the last stage is back.
-      cutlass::arch::ClusterBarrier::wait(&smem.empty[prev_stage], prev_phase);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tTrA); ++kb) {
+        cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 2 * stage + wg), acc_t);
+        tail_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc);
+      warpgroup_fence_operand(acc_t);
+      if (kt > 0) release(prev_stage, 1);
+      prev_stage = stage;
+      prev_phase = pos.phase;
+      pos.step(1);
+    } while (++kt < tile.k_tiles);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    warpgroup_fence_operand(acc_t);
+    release(prev_stage, 1);
+    ring.advance(tile.k_tiles);
+    // Both warpgroups' wgmma are done with the staging boxes once the last stage is back.
+    cutlass::arch::ClusterBarrier::wait(&smem.empty[prev_stage], prev_phase);
+    if constexpr (E == GemmEpilogue::kSwiGLU) {
+      // Job w (the tile's activation columns [64 w, + 64)) in staging boxes w: its gate values from warpgroup 0,
+      // its up values from warpgroup 1. Both activation warps were done before the boxes went to the producer; the
+      // waits say so to compute-sanitizer, which does not follow that through the TMA loads.
+      for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::wait(&smem.act_empty[w], (act_jobs & 1) ^ 1);
+      uint32_t at, swizzle;
+      staging_base(at, swizzle);
+      at += (smem_addr(smem.staging[0]) - slots) + wg * kBoxBytes;
+      CUTE_UNROLL
+      for (int i = 0; i < kHalf; i += 2) {  // values [0, 32): columns [0, 64), job 0; [32, 64): job 1
+        const __nv_bfloat162 v = pack(acc_t(i), acc_t(i + 1));
+        st_shared(at + (i / 32) * 2 * kBoxBytes + pair_offset(i % 32, swizzle), *reinterpret_cast<const uint32_t*>(&v));
+      }
+      if (wtid == 0) {
+        asm volatile("" ::: "memory");
+        smem.act_job[wg][0] = tail_row0;
+        smem.act_job[wg][1] = tile.n_tile * 128 + 64 * wg;
+        asm volatile("" ::: "memory");
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      cutlass::arch::ClusterBarrier::arrive(&smem.act_full[0]);
+      cutlass::arch::ClusterBarrier::arrive(&smem.act_full[1]);
+      ++act_jobs;
+    } else {
       float tail_scale[2] = {1.0f, 1.0f};
       if (args.row_weight != nullptr) {
         CUTE_UNROLL

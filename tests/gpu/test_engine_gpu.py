@@ -124,6 +124,7 @@ def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, o
     gpu = engine_operands(counts, hidden, 1408, seed=17, device="cuda")
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
+    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")  # merged tails need the warps: their sums differ
     ops_under_test = {
         "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
         "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
@@ -171,12 +172,12 @@ def merged_tail_rows(offsets):
                                                    ([1, 129, 300] * 60, 64, 256), ([1, 129, 300] * 60, 192, 256),
                                                    ([0, 0, 5000, 0], 2048, 1536), ([129], 256, 256)])
 def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, order):
-    """An expert's last 64 rows joined to its last full block as one 192-row tile (PRIMEMOE_GEMM_MERGE_TAILS=1, the
-    plain-store GEMM: FC2's variant, here over rows x w1 so that K = hidden): weighted and not, against the CPU
-    kernel on poisoned outputs, and outside the tails bitwise equal to unmerged tiles (the same wgmma sequence).
-    One and three k-slices per tile (hidden 64, 192: a merged tile's loop runs once), 36 (2304: ring positions
-    differ from tile to tile), several merged tiles per CTA, experts of 64 rows beside them (half tiles), a lone
-    merged tile, both tile orders."""
+    """An expert's last 64 rows joined to its last full block as one 192-row tile (PRIMEMOE_GEMM_MERGE_TAILS=1):
+    FC1 (h kept and not) and the plain-store GEMM (FC2's variant, here over rows x w1 so that K = hidden; weighted
+    and not) against the CPU kernels on poisoned outputs; outside the tails bitwise those of unmerged tiles (the same
+    wgmma sequence), and no launch pairs. One and three k-slices per tile (hidden 64, 192: a merged tile's loop runs
+    once), 36 (2304: ring positions differ from tile to tile), several merged tiles per CTA, experts of 64 rows
+    beside them (half tiles), a lone merged tile, both tile orders."""
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     gpu = engine_operands(counts, hidden, inter, seed=23, device="cuda")
     cpu = engine_operands(counts, hidden, inter, seed=23)
@@ -185,16 +186,23 @@ def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, order):
     runs = {}
     for merge in ("0", "1"):
         monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", merge)
+        before = ops.paired_gemm_launches(torch.cuda.current_device())
+        a, h = fc1_matches_cpu(gpu, cpu)
+        a_only = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[0]
+        assert torch.equal(a_only, a)
         poison_caching_allocator()
         o = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False)
         assert_rows_close("store", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False))
         poison_caching_allocator()
         ow = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False, gpu.row_weight)
         assert_rows_close("store weighted", ow, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
-        runs[merge] = [t.cpu() for t in (o, ow)]
-    for name, merged, unmerged in zip(("store", "store weighted"), runs["1"], runs["0"]):
+        if merge == "1":
+            assert ops.paired_gemm_launches(torch.cuda.current_device()) == before, "a merging launch paired"
+        runs[merge] = [t.cpu() for t in (a, h, o, ow)]
+    for name, merged, unmerged in zip(("fc1 a", "fc1 h", "store", "store weighted"), runs["1"], runs["0"]):
+        rows = min(len(tails), merged.shape[0])
         keep = torch.ones(merged.shape[0], dtype=torch.bool)
-        keep[:len(tails)] = ~tails
+        keep[:rows] = ~tails[:rows]
         assert torch.equal(merged[keep], unmerged[keep]), f"{name}: merging changed rows outside the tails"
 
 
@@ -229,6 +237,7 @@ def test_first_paired_launch_inside_graph_capture():
     query): the capture must not break, the captured launch and the eager one after it run paired, with the same
     bits. In a fresh process, as those steps run once per process."""
     env = {k: v for k, v in os.environ.items() if k not in ("PRIMEMOE_GEMM_PAIRS", "PRIMEMOE_GEMM_TILE_ORDER")}
+    env["PRIMEMOE_GEMM_MERGE_TAILS"] = "0"  # merged tails take the place of pairs
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-c", FIRST_LAUNCH_IN_CAPTURE, tests_dir], capture_output=True, text=True,
                          timeout=300, env=env)
