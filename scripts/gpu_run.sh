@@ -6,7 +6,7 @@
 # only a few files, and those should be the logs and JSONs. REUSE_BUILD=1 skips the build when
 # an earlier call on the same (still warm) machine built these sources.
 # PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
-#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|clocks|ncu|ncu235|comm|commprof|sanitize|probe|gatherbench|layoutcost|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|clocks|ncu|ncu235|ncumerge|comm|commprof|sanitize|probe|gatherbench|layoutcost|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
@@ -81,6 +81,13 @@ for step in $STEPS; do
            --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
            $PY scripts/ncu_engine.py $shape_args > "$OUT/$step.log" 2>&1
          grep -E "grouped_gemm_kernel|Duration|Throughput|Hit Rate|Stall|Warp Cycles Per Issued|Issue Slots|SM Busy|Ipc|Bank" "$OUT/$step.log" | head -120 ;;
+    ncumerge)  # FC1 unmerged then merged on merge_layout_probe.py's 3f1m layout (NCU_LAYOUT), Qwen3-235B-A22B
+      (cd scripts && ncu --clock-control none -k regex:grouped_gemm_kernel --launch-skip 2 --launch-count 2 \
+           --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+           --section WarpStateStats --section SchedulerStats --section Occupancy \
+           --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+           $PY merge_layout_probe.py --shapes qwen3-235b-a22b:8192 --once "${NCU_LAYOUT:-3f1m}") > "$OUT/$step.log" 2>&1
+      grep -E "grouped_gemm_kernel|Duration|Throughput|Hit Rate|Stall|Warp Cycles Per Issued|Issue Slots|dram__|lts__t_sector|hmma" "$OUT/$step.log" | head -80 ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py > "$OUT/sanitize-$tool.log" 2>&1

@@ -7,7 +7,8 @@ in both, PRIMEMOE_GEMM_PAIRS=0), back to back, rounds alternating, on synthetic 
 If merged tiles cost more where they sit among full tiles (inter against grouped, 3f1m against all192), the cost
 is in the transitions; if not, in the merged tiles themselves.
 Usage (from scripts/): python merge_layout_probe.py [--shapes qwen3-235b-a22b:8192 ...] [--out f.json]
-(tokens only size the buffers here.)"""
+(tokens only size the buffers here.) --once LAYOUT: for Nsight Compute, FC1 on that layout of the first shape, unmerged
+then merged, each once after a warm-up of both (profile with --launch-skip 2 --launch-count 2)."""
 import argparse
 import os
 import statistics
@@ -31,7 +32,7 @@ def layouts(E):
     }
 
 
-def probe(shape, T, a, results):
+def inputs(shape, T):
     _, _, E, _ = SHAPES[shape]
     x, _, _, w1, w2, _ = layer_inputs(shape, T)
     counts = layouts(E)
@@ -39,6 +40,20 @@ def probe(shape, T, a, results):
     offsets = {k: torch.tensor([0] + v).cumsum(0).to(torch.int32).cuda() for k, v in counts.items()}
     a_rows = torch.randn(max(rows.values()), x.shape[1], device="cuda").bfloat16()
     row_weight = torch.rand(a_rows.shape[0], device="cuda")
+    return w1, w2, counts, rows, offsets, a_rows, row_weight
+
+
+def run_once(shape, T, layout):
+    w1, _, _, rows, offsets, a_rows, _ = inputs(shape, T)
+    os.environ["PRIMEMOE_GEMM_PAIRS"] = "0"
+    for merge in ("0", "1", "0", "1"):
+        os.environ["PRIMEMOE_GEMM_MERGE_TAILS"] = merge
+        lib.fc1_swiglu(a_rows[:rows[layout]], w1, offsets[layout], True)
+    torch.cuda.synchronize()
+
+
+def probe(shape, T, a, results):
+    w1, w2, counts, rows, offsets, a_rows, row_weight = inputs(shape, T)
     os.environ["PRIMEMOE_GEMM_PAIRS"] = "0"
     os.environ["PRIMEMOE_GEMM_MERGE_TAILS"] = "0"
     acts = {k: lib.fc1_swiglu(a_rows[:rows[k]], w1, off, True)[0] for k, off in offsets.items()}
@@ -64,7 +79,12 @@ def probe(shape, T, a, results):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_arguments(p, secs=0.5)
+    p.add_argument("--once", choices=["all192", "3f1m", "inter", "grouped"])
     a = p.parse_args()
+    if a.once:
+        shape, T = a.shapes[0]
+        run_once(shape, T, a.once)
+        return
     time_shapes(a, lambda shape, T, results: probe(shape, T, a, results), "results")
 
 
