@@ -20,7 +20,7 @@ struct GemmParams {
   bool claim_tiles;       // kRows: tiles claimed from args.tile_counter (GemmConfig)
   bool pair_rows;         // kRows: launched as 2-CTA clusters over pairs of row blocks (GemmConfig)
   bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
-  bool merge_tails;       // kRows: an expert's last 64 rows join its last full block (GemmConfig)
+  bool merge_tails;       // kRows: 192-row tiles instead of 64-row ones (GemmConfig)
 };
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are

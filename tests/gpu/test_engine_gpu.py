@@ -157,13 +157,13 @@ def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, i
 
 
 def merged_tail_rows(offsets):
-    """The rows of the 192-row tiles' tails: each expert's last 64 rows where its padded count is above 128 and
-    an odd multiple of 64."""
+    """The rows of the 192-row tiles' tails (rows 128 to 191 of each expert whose padded count is above 128 and an
+    odd multiple of 64: its first tile is the 192-row one)."""
     mask = torch.zeros(int(offsets[-1]), dtype=torch.bool)
     bounds = offsets.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end - start > 128 and (end - start) % 128 == 64:
-            mask[end - 64:end] = True
+            mask[start + 128:start + 192] = True
     return mask
 
 
@@ -172,7 +172,7 @@ def merged_tail_rows(offsets):
                                                    ([1, 129, 300] * 60, 64, 256), ([1, 129, 300] * 60, 192, 256),
                                                    ([0, 0, 5000, 0], 2048, 1536), ([129], 256, 256)])
 def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, order):
-    """An expert's last 64 rows joined to its last full block as one 192-row tile (PRIMEMOE_GEMM_MERGE_TAILS=1):
+    """An expert's first 192 rows as one tile where its rows are an odd multiple of 64 (PRIMEMOE_GEMM_MERGE_TAILS=1):
     FC1 (h kept and not) and the plain-store GEMM (FC2's variant, here over rows x w1 so that K = hidden; weighted
     and not) against the CPU kernels on poisoned outputs; outside the tails bitwise those of unmerged tiles (the same
     wgmma sequence), and no launch pairs. One and three k-slices per tile (hidden 64, 192: a merged tile's loop runs
