@@ -164,9 +164,7 @@ bool claimed_order_pays(const GroupedGemmArgs& a) {
 
 }  // namespace
 
-bool gemm_merge_pays(const GroupedGemmArgs& a) {
-  return a.epilogue == GemmEpilogue::kStore && a.hook.counters == nullptr && claimed_order_pays(a);
-}
+bool gemm_merge_pays(const GroupedGemmArgs& a) { return a.hook.counters == nullptr && claimed_order_pays(a); }
 
 bool gemm_pairs_pay(const GroupedGemmArgs& a) {
   return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && claimed_order_pays(a);

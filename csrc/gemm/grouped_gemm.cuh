@@ -175,16 +175,15 @@ constexpr bool gemm_activation_warps(GemmSchedule s, GemmEpilogue e) {
 // TMA-loaded A; its two staging boxes per consumer warpgroup, 32 KiB, hold the tail rows' 64-row A slices, one per
 // stage). A 64-row tile took as long as a full one at Qwen3-235B (its k-slices wait on the 32 KiB weight slice, not
 // on the tensor cores: benchmarks/RESULTS.md, twenty-first session); merged, that slice serves 192 rows in one CTA.
-// FC2 at 235B T = 8192 measured -2.4% (twenty-third session) and -2.3%, the forward -0.6% (twenty-fourth); FC1
-// merged the same way +4% (likely because its activation jobs hold the boxes into the next tile; not measured), and
-// with MN-major weights (FC1 dgrad) ptxas serialised the wgmma (C7514).
+// Each is its expert's first tile (TileWalker). With MN-major weights (FC1 dgrad) ptxas serialised the wgmma (C7514).
 constexpr bool gemm_merges_tails(GemmSchedule s, GemmEpilogue e, bool b_k_major, bool gather_a) {
   return s == GemmSchedule::kRows && e != GemmEpilogue::kSwiGLUBackward && b_k_major && !gather_a;
 }
 
-// Where the heuristics merge tails: FC2 where tiles are claimed (experts' weights above 8 MiB; in the static order
-// merged tiles, 1.5 tiles long, unbalanced the CTAs: +2% at Qwen3-30B), outside the rows-ready hook (not measured).
-// FC1 only where forced (PRIMEMOE_GEMM_MERGE_TAILS=1), for experiments.
+// Where the heuristics merge tails: FC1 and FC2 where tiles are claimed (experts' weights above 8 MiB; in the static
+// order merged tiles, 1.5 tiles long, unbalanced the CTAs: FC1 +10.6%, FC2 +1.6% at Qwen3-30B T = 16384), outside
+// the rows-ready hook (not measured); FC1 then loses its paired row blocks. At Qwen3-235B T = 8192 FC1 measured
+// -1.4%, FC2 -2.6%, the forward -0.25% against FC2 alone merged (twenty-fifth session, benchmarks/RESULTS.md).
 bool gemm_merge_pays(const GroupedGemmArgs& args);
 
 // Whether the kernel family covers this problem on this device (sm_90 built in, sizes tile-aligned).
