@@ -159,7 +159,8 @@ constexpr bool gemm_pairs_rows(GemmSchedule s, bool b_k_major) {
 // per expert (the claimed order's, where pairs are level or faster: 235B FC1 -2.2..+0.1%), with more tiles than SMs
 // (fewer leave SMs idle whatever the order). At 30B (6 MiB, static order) unpaired FC1 measured 1.4-4.7% faster
 // and the forward 0.1-2.3% (H200, back to back, twenty-third session). Not under the rows-ready hook: the
-// expert-parallel path has not been measured with pairs.
+// expert-parallel path has not been measured with pairs. Where FC1 merges tails (gemm_merge_pays, the same sizes
+// with the activation warps) the merged tiles win (choose_gemm_config): pairs remain the gathered FC1's.
 bool gemm_pairs_pay(const GroupedGemmArgs& args);
 
 // The variants built with activation warps (GemmConfig::activation_warps): FC1, also with a gathered A (its copies
