@@ -108,7 +108,8 @@ struct GemmConfig {
   // FC1 (gemm_activation_warps): two producer warps compute the activation from the consumers' pre-activations.
   bool activation_warps;
   // kRows (gemm_merges_tails): an expert whose rows are an odd multiple of 64 above 128 starts with one 192-row
-  // tile instead of ending with a 64-row one; its k-slices carry the weight slice once for 192 rows. Not with pair_rows; FC1 only with activation_warps.
+  // tile instead of ending with a 64-row one; its k-slices carry the weight slice once for 192 rows. Not with
+  // pair_rows; FC1 only with activation_warps.
   bool merge_tails;
 };
 
