@@ -1,11 +1,11 @@
-"""Where merged 192-row tail tiles lose among full tiles: FC1 and FC2 with PRIMEMOE_GEMM_MERGE_TAILS=0 / 1 (pairs off
+"""192-row tiles against 64-row ones among full tiles: FC1 and FC2 with PRIMEMOE_GEMM_MERGE_TAILS=0 / 1 (pairs off
 in both, PRIMEMOE_GEMM_PAIRS=0), back to back, rounds alternating, on synthetic layouts of the shape's experts:
   all192    every expert at 192 rows (merged: one tile per column tile; unmerged: a full and a half tile)
-  3f1m      every expert at 576 rows (merged: 3 full + 1 merged; unmerged: 4 full + 1 half)
+  3f1m      every expert at 576 rows (merged: 1 merged + 3 full; unmerged: 4 full + 1 half)
   inter     experts alternating 576 and 512 rows (merged tiles among full ones)
   grouped   the same counts, the 576-row experts first (merged tiles together, fewer transitions)
-If merged tiles cost more where they sit among full tiles (inter against grouped, 3f1m against all192), the cost
-is in the transitions; if not, in the merged tiles themselves.
+(The twenty-fifth session found with it, and `gpu_run.sh ncumerge`, that a merged tile placed last in its expert
+re-read its weight slices from DRAM: benchmarks/RESULTS.md.)
 Usage (from scripts/): python merge_layout_probe.py [--shapes qwen3-235b-a22b:8192 ...] [--out f.json]
 (tokens only size the buffers here.) --once LAYOUT: for Nsight Compute, FC1 on that layout of the first shape, unmerged
 then merged, each once after a warm-up of both (profile with --launch-skip 2 --launch-count 2)."""
