@@ -377,10 +377,12 @@ struct TileWalker {
   bool split_halves;         // GemmConfig::split_half_tiles, where the ring depth allows it
   bool merge_tails;          // GemmConfig::merge_tails, where the variant has it
 
-  // Row blocks of an expert's rows (multiples of 64).
+  // Whether an expert of `rows` rows (a multiple of 64) starts with a 192-row tile.
+  __device__ bool merged(int32_t rows) const { return merge_tails && rows > kGemmTileM && rows % kGemmTileM != 0; }
+
+  // Row blocks of an expert's rows.
   __device__ int32_t blocks(int32_t rows) const {
-    return merge_tails && rows > kGemmTileM && rows % kGemmTileM != 0 ? rows / kGemmTileM
-                                                                      : (rows + kGemmTileM - 1) / kGemmTileM;
+    return merged(rows) ? rows / kGemmTileM : (rows + kGemmTileM - 1) / kGemmTileM;
   }
 
   __device__ TileWalker(const GroupedGemmArgs& a, bool split_half_tiles, bool merge)
@@ -421,9 +423,10 @@ struct TileWalker {
       // k-slices it reads 1.5x slower, it stays within L2's reach of them (last, its weight slices had left L2 by
       // the time it read them: +73% DRAM reads, FC1 at Qwen3-235B).
       const int32_t count = args.expert_offsets[expert + 1] - begin;
-      const bool merged = merge_tails && count > kGemmTileM && count % kGemmTileM != 0;
-      const int32_t m0 = begin + index * kGemmTileM + (merged && index > 0 ? kGemmRowAlign : 0);
-      const int32_t rows = merged && index == 0 ? kGemmTileM + kGemmRowAlign : min(count - (m0 - begin), kGemmTileM);
+      const bool first_merged = merged(count);
+      const int32_t m0 = begin + index * kGemmTileM + (first_merged && index > 0 ? kGemmRowAlign : 0);
+      const int32_t rows =
+          first_merged && index == 0 ? kGemmTileM + kGemmRowAlign : min(count - (m0 - begin), kGemmTileM);
       tile = {expert, m0, n_tile, 0, args.k / kGemmTileK, rows, split_halves && rows <= kGemmRowAlign};
     } else {
       const uint32_t per_expert = uint32_t(m_tiles * n_tiles);

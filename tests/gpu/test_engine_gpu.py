@@ -367,8 +367,8 @@ def test_zero_unrouted_false_keeps_the_routed_rows(monkeypatch, counts, schedule
     """zero_unrouted=False skips the tiles past the routed rows (300 spare rows: two whole tiles and part
     of a third) and nothing else: the routed rows are bitwise those of the zeroing run, the rest keep
     the allocator's poison. Paired row blocks forced on and off (PRIMEMOE_GEMM_PAIRS): a pair whose second
-    block is past the routed rows, or absent, must not share with it. FC2's 192-row tail tiles forced on (the EP
-    path's FC2 merges them where the weights are large): the last expert's tail among them."""
+    block is past the routed rows, or absent, must not share with it. 192-row tiles forced on for FC1 and FC2 (both
+    merge them where the weights are large, the EP path's FC2 too): the last expert's among them."""
     for name, value in schedule.items():
         monkeypatch.setenv(name, value)
     hidden, inter = SHAPES["small"]
