@@ -690,14 +690,11 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
   const int pairs = gemm_override("PRIMEMOE_GEMM_PAIRS", "0", "1");
   const int activation = gemm_override("PRIMEMOE_FC1_ACTIVATION", "warps", "consumers");
   const int merge = gemm_override("PRIMEMOE_GEMM_MERGE_TAILS", "0", "1");
-  GemmConfig config = choose_gemm_config(
+  const GemmConfig config = choose_gemm_config(
       g, order < 0 ? TileOrder::kAuto : order == 0 ? TileOrder::kStatic : TileOrder::kClaimed,
       pairs < 0 ? PairRows::kAuto : pairs == 0 ? PairRows::kOff : PairRows::kOn,
       activation == 1 ? Fc1Activation::kConsumers : Fc1Activation::kWarps,
       merge < 0 ? MergeTails::kAuto : merge == 0 ? MergeTails::kOff : MergeTails::kOn);
-  // PRIMEMOE_FC1_MERGED_DIRECT=1 (experiment): GemmConfig::merged_direct_stores.
-  config.merged_direct_stores = gemm_override("PRIMEMOE_FC1_MERGED_DIRECT", "0", "1") == 1 && config.merge_tails &&
-                                config.activation_warps;
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {

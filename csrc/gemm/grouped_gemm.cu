@@ -197,7 +197,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
   params.merge_tails = config.merge_tails;
-  params.merged_direct_stores = config.merged_direct_stores;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

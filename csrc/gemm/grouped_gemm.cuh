@@ -111,9 +111,6 @@ struct GemmConfig {
   // tile instead of ending with a 64-row one; its k-slices carry the weight slice once for 192 rows. Not with
   // pair_rows; FC1 only with activation_warps.
   bool merge_tails;
-  // FC1 with merge_tails (experiment, off unless PRIMEMOE_FC1_MERGED_DIRECT=1): a 192-row tile's first 128 rows,
-  // and the tile's before it, stored by the consumers directly instead of as activation jobs.
-  bool merged_direct_stores;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same

@@ -918,40 +918,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     submit_job([&](int j) { return held[j / 2]; }, [&](int j) { return held[16 + j / 2]; }, held_row0, held_col);
     holding = false;
   };
-  // FC1 with 192-row tiles: such a tile's first 128 rows, and the tile's before it, go from the accumulators
-  // straight to h and a. As jobs they would hold the staging boxes, which the 192-row tile's tail slices need
-  // first, and the consumers would wait for the activation warps: twice before such a tile, once after it.
-  auto store_direct = [&](int32_t rows_at, int32_t col) {
-    const int32_t row = rows_at + frag_row;
-    const int32_t column = col + frag_col;
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {  // the thread's rows frag_row and frag_row + 8: values 4 q + 2 h
-      const int64_t r = int64_t(row) + 8 * h;
-      if (r >= args.num_rows) continue;
-      auto* a_row = static_cast<__nv_bfloat16*>(args.out) + r * n + column;
-      auto* h_row = static_cast<__nv_bfloat16*>(args.out_h) + r * 2 * n + column;
-      CUTE_UNROLL
-      for (int q = 0; q < 16; ++q) {
-        const int i = 4 * q + 2 * h;
-        const __nv_bfloat162 g = pack(acc(i), acc(i + 1));
-        const __nv_bfloat162 u = pack(acc(kHalf + i), acc(kHalf + i + 1));
-        if (args.out_h != nullptr) {
-          *reinterpret_cast<__nv_bfloat162*>(h_row + 8 * q) = g;
-          *reinterpret_cast<__nv_bfloat162*>(h_row + n + 8 * q) = u;
-        }
-        const float2 gf = __bfloat1622float2(g);
-        const float2 uf = __bfloat1622float2(u);
-        *reinterpret_cast<__nv_bfloat162*>(a_row + 8 * q) = pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
-      }
-    }
-  };
-  // Whether the tile after the n-th is a 192-row one (the producer passes it before the n-th tile's last k-slice
-  // is loaded); the slot stays the producer's until take_tile.
-  auto merged_after = [&](uint32_t taken) {
-    const int slot = (taken + 1) & 1;
-    cutlass::arch::ClusterBarrier::wait(&smem.tile_full[slot], ((taken + 1) >> 1) & 1);
-    return int32_t(ld_shared(smem_addr(&smem.tile_slot[slot][5]))) > kGemmTileM;
-  };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
   // A 192-row tile (merge): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along N,
@@ -1109,14 +1075,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     };
     // The epilogue of the tile's (first) 128 rows, every variant but FC2 dgrad's.
     auto deferred_epilogue = [&] {
-      if (kActWarps && kMerge && act_warps && merge && p.merged_direct_stores &&
-          (tile.rows > kGemmTileM || merged_after(taken))) {
-        store_direct(row0, tile.n_tile * 128);
-        // `held` written on every path: else its old values stay live into the next tile's mainloop (they spilled).
-        CUTE_UNROLL
-        for (int j = 0; j < kHalf / 2; ++j) held[j] = __nv_bfloat162();
-        return;
-      }
       if (kActWarps && act_warps) {
         auto gate = [&](int i) { return pack(acc(i), acc(i + 1)); };
         auto up = [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); };
