@@ -194,6 +194,34 @@ def test_git_commit_falls_back_to_the_environment_without_a_checkout(monkeypatch
     assert bench._git_commit() is None
 
 
+def test_boards_record_power_limit_and_clock_by_uuid(monkeypatch):
+    """Visible GPUs in torch's order, matched to nvidia-smi's rows by UUID (its order is physical)."""
+    class Props:
+        def __init__(self, uuid):
+            self.uuid = uuid
+
+    visible = ["bb9114cd-27cc-92a9-e3bc-10e3091ac543", "GPU-e660027b-6ea3-d845-a8ed-5da0a8404e81"]
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: len(visible))
+    monkeypatch.setattr(bench.torch.cuda, "get_device_properties", lambda i: Props(visible[i]))
+    smi = ("GPU-e660027b-6ea3-d845-a8ed-5da0a8404e81, 700.00, 1980\n"
+           "GPU-bb9114cd-27cc-92a9-e3bc-10e3091ac543, [N/A], 1980\n")
+    monkeypatch.setattr(bench.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=smi, stderr=""))
+    found = bench.boards()
+    assert found == [
+        {"uuid": "GPU-bb9114cd-27cc-92a9-e3bc-10e3091ac543", "power_limit_w": None, "max_sm_clock_mhz": 1980.0},
+        {"uuid": "GPU-e660027b-6ea3-d845-a8ed-5da0a8404e81", "power_limit_w": 700.0, "max_sm_clock_mhz": 1980.0}]
+    assert bench._board_note(found) == ("GPU-bb9114cd-27cc-92a9-e3bc-10e3091ac543 (1980 MHz); "
+                                        "GPU-e660027b-6ea3-d845-a8ed-5da0a8404e81 (700 W, 1980 MHz)")
+
+    def no_smi(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(bench.subprocess, "run", no_smi)
+    assert bench.boards() == [{"uuid": "GPU-bb9114cd-27cc-92a9-e3bc-10e3091ac543"},
+                              {"uuid": "GPU-e660027b-6ea3-d845-a8ed-5da0a8404e81"}]
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_rendezvous_is_a_file_store_removed_afterwards():
     """EP ranks meet over a file store in a fresh directory (no TCP port to lose to another process)."""

@@ -657,6 +657,46 @@ def _git_commit() -> Optional[str]:
     return os.environ.get("PRIMEMOE_GIT_COMMIT") or None
 
 
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:  # nvidia-smi's "[N/A]"
+        return None
+
+
+def boards() -> list:
+    """Each visible GPU's UUID and, where nvidia-smi answers, its enforced power limit and SM clock ceiling.
+    The benchmark's GEMMs run at the power cap, where boards of one model differ by several percent, so
+    results are compared board by board."""
+    found = []
+    for i in range(torch.cuda.device_count()):
+        uuid = str(torch.cuda.get_device_properties(i).uuid)
+        found.append({"uuid": uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"})
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,power.limit,clocks.max.sm",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return found
+    if out.returncode != 0:
+        return found
+    limits = {}
+    for line in out.stdout.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 3:
+            limits[fields[0]] = {"power_limit_w": _number(fields[1]), "max_sm_clock_mhz": _number(fields[2])}
+    for board in found:
+        board.update(limits.get(board["uuid"], {}))
+    return found
+
+
+def _board_note(found: list) -> str:
+    def one(b):
+        known = [f"{b[k]:g} {unit}" for k, unit in (("power_limit_w", "W"), ("max_sm_clock_mhz", "MHz"))
+                 if b.get(k) is not None]
+        return b["uuid"] + (f" ({', '.join(known)})" if known else "")
+    return "; ".join(map(one, found))
+
+
 def _timing_note(args) -> str:
     regions = "dispatch and combine" if args.comm else "forward and backward"
     settle = f"; {args.settle:g} s idle before each case and implementation"
@@ -669,6 +709,7 @@ def metadata(args) -> dict:
     meta = {
         "gpu": torch.cuda.get_device_name(0), "gpu_count": torch.cuda.device_count(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": _git_commit(),
+        "boards": boards(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timing": _timing_note(args),
     }
@@ -736,12 +777,14 @@ def write_outputs(results: list, args) -> None:
         panels = (("fwd_tflops", "forward TFLOP/s per GPU"), ("bwd_tflops", "backward TFLOP/s per GPU"))
     (args.out / "results.json").write_text(json.dumps({"metadata": meta, section: results}, indent=2) + "\n")
     md = [f"# primemoe benchmark ({meta['date']})", "",
-          *(f"- {k}: {meta[k]}" for k in ("gpu", "gpu_count", "torch", "cuda", "git_commit", *notes)),
+          *(f"- {k}: {meta[k]}" for k in ("gpu", "gpu_count", "torch", "cuda", "git_commit")),
+          f"- boards: {_board_note(meta['boards'])}",
+          *(f"- {k}: {meta[k]}" for k in notes),
           "", format_table(results, markdown=True, columns=columns), ""]
     (args.out / "results.md").write_text("\n".join(md))
     write_plot(results, args.out / "results.png", panels)
     tail = f"{COMM_TARGETS}\n\n" if args.comm else ""
-    print(f"\n{meta['timing']}\n\n{format_table(results, columns=columns)}\n\n{tail}"
+    print(f"\n{meta['timing']}\nboards: {_board_note(meta['boards'])}\n\n{format_table(results, columns=columns)}\n\n{tail}"
           f"written: {args.out}/results.{{json,md,png}}", flush=True)
 
 
