@@ -119,6 +119,24 @@ def test_qwen3_30b_at_16384_tokens_matches_reference(routing):
     check_against_reference_by_expert_chunks(out, problem, chunk=16)
 
 
+@pytest.mark.parametrize("shape", REFERENCE_SHAPES)
+def test_reference_shape_all_to_one_expert(shape):
+    """Every slot to the last expert: one expert's rows are all of T * K, the other experts have none."""
+    tokens = 128 if shape == "deepseek-v3" else 256
+    problem = make_problem(tokens, *REFERENCE_SHAPES[shape], routing="one_expert", seed=5, device="cuda")
+    out = run_moe(primemoe.moe, problem)
+    check_against_reference_by_expert_chunks(out, problem, chunk=16)
+
+
+@pytest.mark.parametrize("routing", ["skewed", "one_expert"])
+def test_qwen3_235b_at_4095_tokens_matches_reference(routing):
+    """The benchmark's 235B path at an odd T: claimed tiles, and where experts end in a partial block (skewed),
+    FC1's and FC2's 192-row tiles; one_expert is a single expert of 32,760 rows."""
+    problem = make_problem(4095, *REFERENCE_SHAPES["qwen3-235b-a22b"], routing=routing, seed=11, device="cuda")
+    out = run_moe(primemoe.moe, problem)
+    check_against_reference_by_expert_chunks(out, problem, chunk=16)
+
+
 # ---------------------------------------------------------------- determinism and overwrite
 
 
