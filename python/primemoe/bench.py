@@ -784,8 +784,8 @@ def write_outputs(results: list, args) -> None:
     (args.out / "results.md").write_text("\n".join(md))
     write_plot(results, args.out / "results.png", panels)
     tail = f"{COMM_TARGETS}\n\n" if args.comm else ""
-    print(f"\n{meta['timing']}\nboards: {_board_note(meta['boards'])}\n\n{format_table(results, columns=columns)}\n\n{tail}"
-          f"written: {args.out}/results.{{json,md,png}}", flush=True)
+    print(f"\n{meta['timing']}\nboards: {_board_note(meta['boards'])}\n\n"
+          f"{format_table(results, columns=columns)}\n\n{tail}written: {args.out}/results.{{json,md,png}}", flush=True)
 
 
 # ---------------------------------------------------------------- command line
