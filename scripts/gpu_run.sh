@@ -6,7 +6,7 @@
 # only a few files, and those should be the logs and JSONs. REUSE_BUILD=1 skips the build when
 # an earlier call on the same (still warm) machine built these sources.
 # PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
-#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|clocks|ncu|ncu235|ncumerge|comm|commprof|sanitize|probe|gatherbench|layoutcost|sass ...]   (default: tests main bench)
+#   scripts/gpu_run.sh [smoke|engine|tests|gputests|multigpu|main|bench|bench1|bench2|stages|clocks|ncu|ncu235|ncumerge|comm|commprof|sanitize|probe|gatherbench|layoutcost|tiletrace|sass ...]   (default: tests main bench)
 # gputests / multigpu: the GPU suite without / with only the two-GPU tests; bench1 / bench2: the
 # benchmark at EP = 1 / EP = 2 only;
 # engine: the engine's GPU tests alone, stopping at the first failure;
@@ -15,6 +15,8 @@
 # clocks: SM clock, power and power-cap state while the GEMMs run back to back vs with gaps (scripts/clock_state.py);
 # gatherbench: the row gather against other ways to move its bytes (scripts/gather_bench.cu);
 # layoutcost: FC1 and FC2 on the benchmark's row layout against even, rounded-down and 128-padded ones (scripts/layout_cost.py);
+# tiletrace: per-tile timelines of FC1 and FC2 at Qwen3-235B T = 8192, 192-row tiles off then on (scripts/tile_trace.cu,
+# built with the engine's sources and PRIMEMOE_GEMM_TILE_TRACE; TRACE_ARGS adds options, e.g. --shape 30b);
 # ncu / ncu235: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py) at 30B T = 16384
 # / 235B T = 8192; commprof: dispatch/combine region and kernel times on every GPU (scripts/comm_profile.py).
 set -uo pipefail
@@ -97,6 +99,24 @@ for step in $STEPS; do
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc -o /tmp/gather_bench scripts/gather_bench.cu \
         && /tmp/gather_bench 2>&1 | tee "$OUT/gather_bench.log" || status=1 ;;
     layoutcost) (cd scripts && $PY layout_cost.py --out "$OUT/layout_cost.json") 2>&1 | tee "$OUT/layout_cost.log" ;;
+    tiletrace)
+      flags="-O3 -std=c++20 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -DPRIMEMOE_HAVE_SM90A
+             -DPRIMEMOE_GEMM_TILE_TRACE -I csrc -I /tmp/cutlass-site/cutlass_library/source/include"
+      rm -rf /tmp/tile_trace_obj && mkdir -p /tmp/tile_trace_obj
+      for f in scripts/tile_trace.cu csrc/gemm/grouped_gemm.cu csrc/gemm/instantiations/*.cu; do
+        nvcc $flags -c "$f" -o "/tmp/tile_trace_obj/$(basename "$f" .cu).o" &
+      done
+      wait
+      if nvcc -gencode=arch=compute_90a,code=sm_90a -o /tmp/tile_trace /tmp/tile_trace_obj/*.o; then
+        (rc=0
+         for g in fc1 fc2; do
+           /tmp/tile_trace --gemm $g --merge 0 1 --csv "$OUT/tile_trace_$g.csv" ${TRACE_ARGS:-} || rc=1
+         done
+         exit $rc) 2>&1 | tee "$OUT/tile_trace.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      else
+        status=1
+      fi ;;
     probe)  # racecheck on the exchange forms of scripts/racecheck_probe.cu
       nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -o /tmp/racecheck_probe scripts/racecheck_probe.cu || status=1
       for m in 0 1 2 4 6 7 8 15 16 40; do

@@ -94,7 +94,20 @@ struct GroupedGemmArgs {
   int32_t* tile_counter;
   ErrorRecord* error;
   int32_t num_sms;
+#ifdef PRIMEMOE_GEMM_TILE_TRACE
+  // scripts/tile_trace.cu only (never the library's build): kTileTraceFields timestamps per tile taken, for the
+  // first kTileTraceTiles tiles of each CTA.
+  uint64_t* tile_trace;
+#endif
 };
+
+#ifdef PRIMEMOE_GEMM_TILE_TRACE
+// Per tile a CTA takes (consumer thread 0): [0] its index | rows << 32 | SM << 48, then %globaltimer ns when it
+// was taken, when a 192-row tile's boxes were free (else 0), when its first k-slice had landed, when its mainloop
+// was done. The tile after the last one has only [1], the end of the last epilogue.
+constexpr int kTileTraceFields = 5;
+constexpr int kTileTraceTiles = 256;
+#endif
 
 // The host heuristics' choices for one launch (choose_gemm_config).
 struct GemmConfig {

@@ -442,6 +442,28 @@ struct TileWalker {
   }
 };
 
+#ifdef PRIMEMOE_GEMM_TILE_TRACE
+// GroupedGemmArgs::tile_trace: field f of the n-th tile consumer thread ct takes (thread 0 only records).
+__device__ __forceinline__ void tile_trace_put(const GroupedGemmArgs& a, int ct, uint32_t n, int f, uint64_t value) {
+  if (ct == 0 && n < uint32_t(kTileTraceTiles)) {
+    a.tile_trace[(uint64_t(blockIdx.x) * kTileTraceTiles + n) * kTileTraceFields + f] = value;
+  }
+}
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint64_t sm_id() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+#define PRIMEMOE_TILE_TRACE(n, f, value) tile_trace_put(args, ct, n, f, value)
+#else
+#define PRIMEMOE_TILE_TRACE(n, f, value) ((void)0)
+#endif
+
 // Fast division: the result is rounded to bf16, so its 2-ulp error does not show.
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
@@ -920,6 +942,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
+#ifdef PRIMEMOE_GEMM_TILE_TRACE
+  uint32_t trace_n = 0;
+#endif
   // A 192-row tile (merge): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along N,
   // warpgroup w multiplying them by the tile's weight half w (m64n128; FC1: gate, up), their A slices read from the
   // staging boxes. The boxes go to the producer first (the deferred round and the activation jobs done with them),
@@ -946,6 +971,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
+    PRIMEMOE_TILE_TRACE(trace_n, 2, global_ns());
     const int32_t tail_row0 = tile.m0 + kGemmTileM;
     Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _128>{});
     CUTE_STATIC_ASSERT_V(size(acc_t) == Int<kHalf>{});
@@ -960,6 +986,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     do {
       const int stage = pos.stage;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
+      if (kt == 0) PRIMEMOE_TILE_TRACE(trace_n, 3, global_ns());
       warpgroup_fence_operand(acc);
       warpgroup_fence_operand(acc_t);
       warpgroup_arrive();
@@ -985,6 +1012,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(acc_t);
+    PRIMEMOE_TILE_TRACE(trace_n, 4, global_ns());
     release(prev_stage, 1);
     ring.advance(tile.k_tiles);
     // Both warpgroups' wgmma are done with the staging boxes once the last stage is back.
@@ -1029,7 +1057,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   for (uint32_t taken = 0;; ++taken) {
     int32_t t;
     const Tile tile = take_tile(taken, t);
+    PRIMEMOE_TILE_TRACE(taken, 1, global_ns());
     if (t < 0) break;
+#ifdef PRIMEMOE_GEMM_TILE_TRACE
+    trace_n = taken;
+    PRIMEMOE_TILE_TRACE(taken, 0, uint64_t(uint32_t(t)) | uint64_t(tile.rows) << 32 | sm_id() << 48);
+#endif
     // A half tile: split along K (kSplitHalves and GemmConfig), else multiplied as a full tile
     // whose second 64 rows (the next expert's, or past the layout) warpgroup 1 does not store.
     const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
@@ -1132,6 +1165,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     auto k_slice = [&](int32_t kt, auto submits) {
       const int stage = pos.stage;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
+      if (kt == kt_first) PRIMEMOE_TILE_TRACE(taken, 3, global_ns());
       // Gathered rows were written by cp.async (the generic proxy); wgmma reads them through the async proxy.
       if constexpr (GatherA) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       warpgroup_fence_operand(acc);
@@ -1172,6 +1206,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
+    PRIMEMOE_TILE_TRACE(taken, 4, global_ns());
     if (prev_stage >= 0) release(prev_stage, arrivals);
     ring.advance(tile.k_tiles);
     // This warpgroup had no k-slice in the tile.
