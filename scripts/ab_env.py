@@ -96,5 +96,6 @@ def main():
     time_shapes(a, lambda shape, T, results: time_shape(shape, T, a, overridden, results), "ms",
                 variants=dict(a.variant))
 
+
 if __name__ == "__main__":
     main()

@@ -7,14 +7,13 @@ import subprocess, time, statistics, os, json
 import torch
 from layer_inputs import layer_inputs
 from primemoe import ops
-from primemoe.bench import SHAPES
+from primemoe.bench import SHAPES, gpu_uuid
 lib = torch.ops.primemoe
 fields = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 smi_path = "/tmp/clock_state_smi.csv"
 # This process's GPU only: on a host with several, nvidia-smi prints a line per GPU, and the idle ones would be
 # averaged in.
-uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+uuid = gpu_uuid(torch.cuda.current_device())
 smi = subprocess.Popen(["nvidia-smi", "-i", uuid, f"--query-gpu={fields}", "--format=csv,noheader,nounits",
                         "-lms", "50"], stdout=open(smi_path, "w"))
 results = []

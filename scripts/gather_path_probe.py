@@ -59,5 +59,6 @@ def main():
     a = p.parse_args()
     time_shapes(a, lambda shape, T, results: probe(shape, T, a, results), "ms")
 
+
 if __name__ == "__main__":
     main()

@@ -67,5 +67,6 @@ def main():
     a = p.parse_args()
     time_shapes(a, lambda shape, T, results: time_shape(shape, T, a.rounds, a.secs, results), "results")
 
+
 if __name__ == "__main__":
     main()

@@ -79,7 +79,7 @@ def probe(shape, T, a, results):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_arguments(p, secs=0.5)
-    p.add_argument("--once", choices=["all192", "3f1m", "inter", "grouped"])
+    p.add_argument("--once", choices=list(layouts(2)))
     a = p.parse_args()
     if a.once:
         shape, T = a.shapes[0]

@@ -942,9 +942,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
-#ifdef PRIMEMOE_GEMM_TILE_TRACE
-  uint32_t trace_n = 0;
-#endif
   // A 192-row tile (merge): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along N,
   // warpgroup w multiplying them by the tile's weight half w (m64n128; FC1: gate, up), their A slices read from the
   // staging boxes. The boxes go to the producer first (the deferred round and the activation jobs done with them),
@@ -956,7 +953,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   Tensor sHalfB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, 128, 2 * kStages>());  // (.., 2 s + j)
   Tensor tTrA = thr_tail.make_fragment_A(thr_tail.partition_A(sTailA));
   Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sHalfB));
-  auto merged_tile = [&](const Tile& tile) {
+  auto merged_tile = [&](const Tile& tile, uint32_t taken) {
     if (holding) {
       if (kActWarps && act_warps) {
         submit_held();
@@ -971,7 +968,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
-    PRIMEMOE_TILE_TRACE(trace_n, 2, global_ns());
+    PRIMEMOE_TILE_TRACE(taken, 2, global_ns());
     const int32_t tail_row0 = tile.m0 + kGemmTileM;
     Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _128>{});
     CUTE_STATIC_ASSERT_V(size(acc_t) == Int<kHalf>{});
@@ -986,7 +983,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     do {
       const int stage = pos.stage;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
-      if (kt == 0) PRIMEMOE_TILE_TRACE(trace_n, 3, global_ns());
+      if (kt == 0) PRIMEMOE_TILE_TRACE(taken, 3, global_ns());
       warpgroup_fence_operand(acc);
       warpgroup_fence_operand(acc_t);
       warpgroup_arrive();
@@ -1012,7 +1009,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(acc_t);
-    PRIMEMOE_TILE_TRACE(trace_n, 4, global_ns());
+    PRIMEMOE_TILE_TRACE(taken, 4, global_ns());
     release(prev_stage, 1);
     ring.advance(tile.k_tiles);
     // Both warpgroups' wgmma are done with the staging boxes once the last stage is back.
@@ -1059,10 +1056,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     const Tile tile = take_tile(taken, t);
     PRIMEMOE_TILE_TRACE(taken, 1, global_ns());
     if (t < 0) break;
-#ifdef PRIMEMOE_GEMM_TILE_TRACE
-    trace_n = taken;
     PRIMEMOE_TILE_TRACE(taken, 0, uint64_t(uint32_t(t)) | uint64_t(tile.rows) << 32 | sm_id() << 48);
-#endif
     // A half tile: split along K (kSplitHalves and GemmConfig), else multiplied as a full tile
     // whose second 64 rows (the next expert's, or past the layout) warpgroup 1 does not store.
     const bool half = S == GemmSchedule::kRows && tile.rows <= kGemmRowAlign;
@@ -1149,7 +1143,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // A merged tile goes straight to its epilogue: from no other path does a deferred round reach the next tile
     // through its mainloop, whose accumulators leave no registers for one.
     if (kMerge && tile.rows > kGemmTileM) {
-      merged_tile(tile);
+      merged_tile(tile, taken);
       deferred_epilogue();
       continue;
     }

@@ -664,14 +664,17 @@ def _number(text: str) -> Optional[float]:
         return None
 
 
+def gpu_uuid(device: int) -> str:
+    """The CUDA device's UUID as nvidia-smi writes it (``GPU-...``), to match its rows or select it with ``-i``."""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
 def boards() -> list:
     """Each visible GPU's UUID and, where nvidia-smi answers, its enforced power limit and SM clock ceiling.
     The benchmark's GEMMs run at the power cap, where boards of one model differ by several percent, so
     results are compared board by board."""
-    found = []
-    for i in range(torch.cuda.device_count()):
-        uuid = str(torch.cuda.get_device_properties(i).uuid)
-        found.append({"uuid": uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"})
+    found = [{"uuid": gpu_uuid(i)} for i in range(torch.cuda.device_count())]
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,power.limit,clocks.max.sm",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
