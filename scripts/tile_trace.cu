@@ -118,6 +118,26 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
+// FC1's activation jobs (warpgroup 0's, every CTA): medians of posted -> started -> h stored -> activation
+// written -> boxes free, and of the whole.
+void summarise_jobs(const std::vector<uint64_t>& words, int ctas) {
+  std::vector<double> phase[5];
+  for (int c = 0; c < ctas; ++c) {
+    const uint64_t* j = words.data() + size_t(c) * kTileTraceCtaWords + kTileTraceTiles * kTileTraceFields;
+    for (int n = 0; n < kTileTraceJobs && j[n * kTileTraceJobFields + 4] != 0; ++n) {
+      const uint64_t* f = j + n * kTileTraceJobFields;
+      for (int p = 1; p <= 4; ++p) {
+        if (f[p - 1] != 0) phase[p - 1].push_back((f[p] - f[p - 1]) * 1e-3);
+      }
+      if (f[0] != 0) phase[4].push_back((f[4] - f[0]) * 1e-3);
+    }
+  }
+  if (phase[1].empty()) return;
+  std::printf("  activation jobs (warpgroup 0): %zu; medians, us: posted -> started %.2f, h stored %.2f, activation"
+              " %.2f, its store %.2f; posted -> boxes free %.2f\n", phase[1].size(), median(phase[0]),
+              median(phase[1]), median(phase[2]), median(phase[3]), median(phase[4]));
+}
+
 void summarise(const std::vector<std::vector<Stamp>>& ctas, float launch_ms) {
   uint64_t t0 = ~0ull, t1 = 0;
   for (const auto& c : ctas) {
@@ -210,7 +230,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&d_offsets, (E + 1) * 4));
   CHECK(cudaMalloc(&counter, 4));
   const int ctas_max = sms + 1;  // a paired launch rounds the grid up to whole clusters
-  const size_t trace_words = size_t(ctas_max) * kTileTraceTiles * kTileTraceFields;
+  const size_t trace_words = size_t(ctas_max) * kTileTraceCtaWords;
   CHECK(cudaMalloc(&trace, trace_words * 8));
   fill_random<<<4 * sms, 256>>>(a, rows * k, 1, 1.0f);
   fill_random<<<4 * sms, 256>>>(b, E * b_rows * k, 2, 1.0f / std::sqrt(float(k)));
@@ -297,7 +317,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<Stamp>> ctas(ctas_max);
     bool truncated = false;
     for (int c = 0; c < ctas_max; ++c) {
-      const uint64_t* w = words.data() + size_t(c) * kTileTraceTiles * kTileTraceFields;
+      const uint64_t* w = words.data() + size_t(c) * kTileTraceCtaWords;
       for (int t = 0; t + 1 < kTileTraceTiles && w[t * kTileTraceFields] != 0; ++t) {
         const uint64_t* f = w + t * kTileTraceFields;
         const uint64_t end = w[(t + 1) * kTileTraceFields + 1];
@@ -308,6 +328,7 @@ int main(int argc, char** argv) {
     }
     std::printf("  (%d untraced launches first%s)\n", warm, truncated ? "; some CTAs took more tiles than traced" : "");
     summarise(ctas, ms);
+    summarise_jobs(words, ctas_max);
     if (csv) {
       for (int c = 0; c < ctas_max; ++c) {
         for (size_t t = 0; t < ctas[c].size(); ++t) {

@@ -107,6 +107,12 @@ struct GroupedGemmArgs {
 // was done. The tile after the last one has only [1], the end of the last epilogue.
 constexpr int kTileTraceFields = 5;
 constexpr int kTileTraceTiles = 256;
+// Then per FC1 activation job of consumer warpgroup 0 (its activation warp's lane 0 from [1]): [0] posted (0 for a
+// 192-row tile's tail job), [1] started, [2] h's stores have read the boxes, [3] activation written, [4] its store
+// has read them (the boxes are free).
+constexpr int kTileTraceJobFields = 5;
+constexpr int kTileTraceJobs = 512;
+constexpr int kTileTraceCtaWords = kTileTraceTiles * kTileTraceFields + kTileTraceJobs * kTileTraceJobFields;
 #endif
 
 // The host heuristics' choices for one launch (choose_gemm_config).

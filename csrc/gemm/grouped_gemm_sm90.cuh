@@ -448,7 +448,14 @@ struct TileWalker {
 // GroupedGemmArgs::tile_trace: field f of the n-th tile consumer thread ct takes (thread 0 only records).
 __device__ __forceinline__ void tile_trace_put(const GroupedGemmArgs& a, int ct, uint32_t n, int f, uint64_t value) {
   if (ct == 0 && n < uint32_t(kTileTraceTiles)) {
-    a.tile_trace[(uint64_t(blockIdx.x) * kTileTraceTiles + n) * kTileTraceFields + f] = value;
+    a.tile_trace[uint64_t(blockIdx.x) * kTileTraceCtaWords + n * kTileTraceFields + f] = value;
+  }
+}
+// Field f of warpgroup 0's n-th activation job.
+__device__ __forceinline__ void job_trace_put(const GroupedGemmArgs& a, uint32_t n, int f, uint64_t value) {
+  if (n < uint32_t(kTileTraceJobs)) {
+    a.tile_trace[uint64_t(blockIdx.x) * kTileTraceCtaWords + kTileTraceTiles * kTileTraceFields +
+                 n * kTileTraceJobFields + f] = value;
   }
 }
 __device__ __forceinline__ uint64_t global_ns() {
@@ -462,8 +469,11 @@ __device__ __forceinline__ uint64_t sm_id() {
   return id;
 }
 #define PRIMEMOE_TILE_TRACE(n, f, value) tile_trace_put(args, ct, n, f, value)
+#define PRIMEMOE_JOB_TRACE(stamps, n, f) \
+  if (stamps) job_trace_put(args, n, f, global_ns())
 #else
 #define PRIMEMOE_TILE_TRACE(n, f, value) ((void)0)
+#define PRIMEMOE_JOB_TRACE(stamps, n, f) ((void)0)
 #endif
 
 // Fast division: the result is rounded to bf16, so its 2-ulp error does not show.
@@ -612,12 +622,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const int32_t row0 = smem.act_job[w][0];
         const int32_t col = smem.act_job[w][1];
         if (col < 0) break;
+        PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 1);
         if (lane == 0 && args.out_h != nullptr) {
           tma_store(&p.tma_out2, gate_box, col, row0);
           tma_store(&p.tma_out2, up_box, int32_t(args.n) + col, row0);
           store_commit();
           store_wait_read();
         }
+        PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 2);
         __syncwarp();
         for (int c = lane; c < 64 * 8; c += 32) {  // 16-byte chunks: 64 rows x 8, swizzled as TMA reads them
           const uint32_t at = swizzled(c / 8, (c % 8) * 8);
@@ -633,11 +645,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncwarp();
+        PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 3);
         if (lane == 0) {
           tma_store(&p.tma_out, gate_box, col, row0);
           store_commit();
           store_wait_read();
         }
+        PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 4);
         // Each lane releases its own accesses to the boxes (lane 0 once TMA has read them): one arrival by lane 0
         // after __syncwarp orders them as well, but compute-sanitizer racecheck does not follow that ordering.
         cutlass::arch::ClusterBarrier::arrive(&smem.act_empty[w]);
@@ -931,6 +945,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       asm volatile("" ::: "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    PRIMEMOE_JOB_TRACE(ct == 0, act_jobs, 0);
     arrive_count(&smem.act_full[wg], 2);
     ++act_jobs;
   };
