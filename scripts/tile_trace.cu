@@ -6,9 +6,8 @@
 // taken (epilogue and handoff); then the span of the launch and how long SMs wait at its start and end.
 // The GPU is kept busy with untraced launches for --secs first, so that the traced one runs power-capped as the
 // benchmark's do. No torch: scripts/gpu_run.sh tiletrace builds it with the engine's host and instantiation files.
-//   tile_trace [--shape 235b|30b] [--tokens T] [--gemm fc1|fc2] [--merge auto|0|1|early1|jobs ...] [--secs S] [--csv FILE]
-// (--merge early1: 192-row tiles with one k-slice before their staging boxes are free, GemmConfig::merged_early off;
-// jobs: 192-row tiles, FC1's consumers waiting for activation jobs where direct_stores would not)
+//   tile_trace [--shape 235b|30b] [--tokens T] [--gemm fc1|fc2] [--merge auto|0|1|early1 ...] [--secs S] [--csv FILE]
+// (--merge early1: 192-row tiles with one k-slice before their staging boxes are free, GemmConfig::merged_early off)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -284,15 +283,14 @@ int main(int argc, char** argv) {
   if (csv) std::fprintf(csv, "merge,cta,n,index,rows,sm,taken,boxes,first,main,end\n");
 
   for (const std::string& m : o.merges) {
-    const MergeTails merge = m == "1" || m == "early1" || m == "jobs" ? MergeTails::kOn
+    const MergeTails merge = m == "1" || m == "early1" ? MergeTails::kOn
                              : m == "0"                  ? MergeTails::kOff
                                                          : MergeTails::kAuto;
     GemmConfig config = choose_gemm_config(g, TileOrder::kAuto, PairRows::kAuto, Fc1Activation::kWarps, merge);
     if (m == "early1") config.merged_early = false;
-    if (m == "jobs") config.direct_stores = false;
-    std::printf("merge %s: claimed %d, merged tails %d (early %d), pairs %d, activation warps %d (direct stores %d)\n",
-                m.c_str(), config.claim_tiles, config.merge_tails, config.merged_early, config.pair_rows,
-                config.activation_warps, config.direct_stores);
+    std::printf("merge %s: claimed %d, merged tails %d (early %d), pairs %d, activation warps %d\n", m.c_str(),
+                config.claim_tiles, config.merge_tails, config.merged_early, config.pair_rows,
+                config.activation_warps);
     auto launch = [&] {
       CHECK(cudaMemsetAsync(counter, 0, 4, stream));
       CHECK(launch_grouped_gemm(g, config, stream));

@@ -184,7 +184,6 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
                        a.k >= 2 * kGemmTileK &&
                        (merge == MergeTails::kOn || (merge == MergeTails::kAuto && gemm_merge_pays(a)));
   config.merged_early = config.merge_tails;
-  config.direct_stores = config.activation_warps;
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major) && !config.merge_tails &&
                      (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
   return config;
@@ -201,7 +200,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.activation_warps = config.activation_warps;
   params.merge_tails = config.merge_tails;
   params.merged_early = config.merged_early;
-  params.direct_stores = config.direct_stores;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

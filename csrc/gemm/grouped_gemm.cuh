@@ -134,10 +134,6 @@ struct GemmConfig {
   // the staging boxes are still taken (FC1's activation jobs, FC2's stores), their tail part once the boxes are free.
   // Both give the same bits.
   bool merged_early;
-  // With activation_warps: where a job would make the consumers wait for their activation warp (the deferred round
-  // before a 192-row tile, whose tail slices need the boxes; tiles past the routed rows, two jobs back to back),
-  // the consumers store those values to h and a themselves (same bits).
-  bool direct_stores;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same

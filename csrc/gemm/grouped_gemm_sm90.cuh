@@ -974,55 +974,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     submit_job([&](int j) { return held[j / 2]; }, [&](int j) { return held[16 + j / 2]; }, held_row0, held_col);
     holding = false;
   };
-  // GemmConfig::direct_stores: the held job's values from registers to h and a (the activation warp's arithmetic),
-  // and a tile past the routed rows as zeros, 16 bytes a store; the consumers wait for no job.
-  // The outputs' addresses are made opaque where they are used, for the reason staging_base's are.
-  auto outputs = [&](__nv_bfloat16*& a, __nv_bfloat16*& h, int64_t& width) {
-    a = static_cast<__nv_bfloat16*>(args.out);
-    h = static_cast<__nv_bfloat16*>(args.out_h);
-    width = n;
-    asm volatile("" : "+l"(a), "+l"(h), "+l"(width));
-  };
-  auto store_held_direct = [&] {
-    __nv_bfloat16 *out_a, *out_h;
-    int64_t width;
-    outputs(out_a, out_h, width);
-    int t = wtid;
-    asm volatile("" : "+r"(t));
-    const int64_t row = int64_t(held_row0) + 16 * (t / 32) + (t % 32) / 4;  // frag_row, frag_col
-    const int64_t col = held_col + 2 * (t % 4);
-    CUTE_UNROLL
-    for (int j = 0; j < 32; j += 2) {  // held[j / 2]: columns 8 (j >> 2) + 0, 1 of row 8 ((j >> 1) & 1)
-      const int64_t r = row + 8 * ((j >> 1) & 1);
-      const int64_t c = col + 8 * (j >> 2);
-      if (r >= args.num_rows) continue;
-      const __nv_bfloat162 g = held[j / 2];
-      const __nv_bfloat162 u = held[16 + j / 2];
-      if (out_h != nullptr) {
-        *reinterpret_cast<__nv_bfloat162*>(out_h + r * 2 * width + c) = g;
-        *reinterpret_cast<__nv_bfloat162*>(out_h + r * 2 * width + width + c) = u;
-      }
-      const float2 gf = __bfloat1622float2(g);
-      const float2 uf = __bfloat1622float2(u);
-      *reinterpret_cast<__nv_bfloat162*>(out_a + r * width + c) = pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
-    }
-    holding = false;
-  };
-  auto store_zeros_direct = [&](int32_t rows_at, int32_t col) {
-    __nv_bfloat16 *out_a, *out_h;
-    int64_t width;
-    outputs(out_a, out_h, width);
-    constexpr int kChunks = 128 / 8;  // per row and tensor
-#pragma unroll 1
-    for (int i = wtid; i < 3 * 64 * kChunks; i += 128) {
-      const int part = i / (64 * kChunks);  // a, h's gate half, h's up half
-      const int64_t r = int64_t(rows_at) + (i / kChunks) % 64;
-      const int64_t c = col + 8 * (i % kChunks);
-      if (r >= args.num_rows || (part > 0 && out_h == nullptr)) continue;
-      __nv_bfloat16* at = part == 0 ? out_a + r * width + c : out_h + r * 2 * width + (part - 1) * width + c;
-      *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
-    }
-  };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
   // A 192-row tile (merge): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along N,
@@ -1043,8 +994,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // part of those k-slices follows from the boxes (tail_full), then both parts of the rest together. The sums
     // run in the same order either way.
     const int32_t early = merged_early_slices(tile.k_tiles);
-    // Before the accumulators are live: behind the first k-slice's wgmma the direct stores' registers are not there.
-    if (kActWarps && act_warps && p.direct_stores && holding) store_held_direct();
     RingPos<kStages> pos = ring;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     int32_t kt = 0;
@@ -1244,13 +1193,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     };
     // The epilogue of the tile's (first) 128 rows, every variant but FC2 dgrad's.
     auto deferred_epilogue = [&] {
-      if (kActWarps && act_warps && p.direct_stores && !routed) {
-        store_zeros_direct(row0, tile.n_tile * 128);
-        // `held` written on every path: else its old values stay live into the next tile's mainloop (spills).
-        CUTE_UNROLL
-        for (int j = 0; j < kHalf / 2; ++j) held[j] = __nv_bfloat162();
-        return;
-      }
       if (kActWarps && act_warps) {
         auto gate = [&](int i) { return pack(acc(i), acc(i + 1)); };
         auto up = [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); };
@@ -1354,9 +1296,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     ring.advance(tile.k_tiles);
     // This warpgroup had no k-slice in the tile.
     if (kDeferred && holding) {
-      if (kActWarps && act_warps && p.direct_stores && !routed) {
-        store_held_direct();
-      } else if (kActWarps && act_warps) {
+      if (kActWarps && act_warps) {
         submit_held();
       } else {
         store_held();

@@ -133,29 +133,6 @@ def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, o
                                "the activation warps")
 
 
-@pytest.mark.parametrize("merge", ["0", "1"])
-@pytest.mark.parametrize("order", ["static", "claimed"])
-@pytest.mark.parametrize("counts, hidden, spare", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 300),
-                                                   ([1, 129, 300] * 60, 192, 37), ([0, 0, 5000, 0], 2048, 450),
-                                                   ([129], 256, 0)])
-def test_fc1_direct_stores_give_the_jobs_bits(monkeypatch, counts, hidden, spare, order, merge):
-    """FC1's consumers storing, themselves, the deferred job before a 192-row tile and the tiles past the routed
-    rows (PRIMEMOE_FC1_DIRECT_STORES=1, the default) against activation jobs there as everywhere else: bitwise equal,
-    every element written, h kept and not. With and without 192-row tiles, both tile orders, 300 and 450 rows past
-    the routed ones (several such tiles per launch, the last one partial), 37 (part of one tile), none; three
-    k-slices per tile (192: the merged tile's first two before its boxes are free) and 36 (2304)."""
-    gpu = engine_operands(counts, hidden, 1408, seed=29, device="cuda", spare_rows=spare)
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", merge)
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", "0")
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
-    }
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_DIRECT_STORES", "0", "1", ops_under_test,
-                               "the consumers' direct stores")
-
-
 @pytest.mark.parametrize("order", ["static", "claimed"])
 @pytest.mark.parametrize("counts", [[300, 0, 1, 700, 129, 64, 1000, 63] * 2, [64, 64, 64], [1], [0, 0, 5000, 0]])
 @pytest.mark.parametrize("hidden, inter", [(2048, 1536), (2304, 1408)])
@@ -300,10 +277,6 @@ def test_gemm_overrides_are_checked(monkeypatch):
     monkeypatch.delenv("PRIMEMOE_FC1_ACTIVATION")
     monkeypatch.setenv("PRIMEMOE_GEMM_MERGED_EARLY", "2")
     with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_MERGED_EARLY: expected 1 or 4"):
-        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-    monkeypatch.delenv("PRIMEMOE_GEMM_MERGED_EARLY")
-    monkeypatch.setenv("PRIMEMOE_FC1_DIRECT_STORES", "yes")
-    with pytest.raises(RuntimeError, match="PRIMEMOE_FC1_DIRECT_STORES: expected 0 or 1"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
 
 
