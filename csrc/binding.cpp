@@ -686,18 +686,15 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
   // Unset, the heuristics' choice of each. PRIMEMOE_GEMM_PAIRS=1 / 0: paired row blocks wherever a variant has them
   // (gemm_pairs_rows) / nowhere. PRIMEMOE_FC1_ACTIVATION: who computes FC1's activation (unset: warps).
   // PRIMEMOE_GEMM_MERGE_TAILS=1 / 0: 192-row tail tiles wherever a variant has them (gemm_merges_tails) / nowhere.
-  // PRIMEMOE_GEMM_MERGED_EARLY=1 / 4: a 192-row tile's k-slices before its staging boxes are free (unset: 4).
   const int order = gemm_override("PRIMEMOE_GEMM_TILE_ORDER", "static", "claimed");
   const int pairs = gemm_override("PRIMEMOE_GEMM_PAIRS", "0", "1");
   const int activation = gemm_override("PRIMEMOE_FC1_ACTIVATION", "warps", "consumers");
   const int merge = gemm_override("PRIMEMOE_GEMM_MERGE_TAILS", "0", "1");
-  const int early = gemm_override("PRIMEMOE_GEMM_MERGED_EARLY", "1", "4");
-  GemmConfig config = choose_gemm_config(
+  const GemmConfig config = choose_gemm_config(
       g, order < 0 ? TileOrder::kAuto : order == 0 ? TileOrder::kStatic : TileOrder::kClaimed,
       pairs < 0 ? PairRows::kAuto : pairs == 0 ? PairRows::kOff : PairRows::kOn,
       activation == 1 ? Fc1Activation::kConsumers : Fc1Activation::kWarps,
       merge < 0 ? MergeTails::kAuto : merge == 0 ? MergeTails::kOff : MergeTails::kOn);
-  if (early >= 0) config.merged_early = config.merge_tails && early == 1;
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {

@@ -6,8 +6,7 @@
 // taken (epilogue and handoff); then the span of the launch and how long SMs wait at its start and end.
 // The GPU is kept busy with untraced launches for --secs first, so that the traced one runs power-capped as the
 // benchmark's do. No torch: scripts/gpu_run.sh tiletrace builds it with the engine's host and instantiation files.
-//   tile_trace [--shape 235b|30b] [--tokens T] [--gemm fc1|fc2] [--merge auto|0|1|early1 ...] [--secs S] [--csv FILE]
-// (--merge early1: 192-row tiles with one k-slice before their staging boxes are free, GemmConfig::merged_early off)
+//   tile_trace [--shape 235b|30b] [--tokens T] [--gemm fc1|fc2] [--merge auto|0|1 ...] [--secs S] [--csv FILE]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -283,14 +282,10 @@ int main(int argc, char** argv) {
   if (csv) std::fprintf(csv, "merge,cta,n,index,rows,sm,taken,boxes,first,main,end\n");
 
   for (const std::string& m : o.merges) {
-    const MergeTails merge = m == "1" || m == "early1" ? MergeTails::kOn
-                             : m == "0"                  ? MergeTails::kOff
-                                                         : MergeTails::kAuto;
-    GemmConfig config = choose_gemm_config(g, TileOrder::kAuto, PairRows::kAuto, Fc1Activation::kWarps, merge);
-    if (m == "early1") config.merged_early = false;
-    std::printf("merge %s: claimed %d, merged tails %d (early %d), pairs %d, activation warps %d\n", m.c_str(),
-                config.claim_tiles, config.merge_tails, config.merged_early, config.pair_rows,
-                config.activation_warps);
+    const MergeTails merge = m == "1" ? MergeTails::kOn : m == "0" ? MergeTails::kOff : MergeTails::kAuto;
+    const GemmConfig config = choose_gemm_config(g, TileOrder::kAuto, PairRows::kAuto, Fc1Activation::kWarps, merge);
+    std::printf("merge %s: claimed %d, merged tails %d, pairs %d, activation warps %d\n", m.c_str(),
+                config.claim_tiles, config.merge_tails, config.pair_rows, config.activation_warps);
     auto launch = [&] {
       CHECK(cudaMemsetAsync(counter, 0, 4, stream));
       CHECK(launch_grouped_gemm(g, config, stream));

@@ -181,9 +181,7 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
   // Pairs forced on win over merged tails: a pair's two CTAs take row blocks of one height.
   config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major, a.a_row_src != nullptr) &&
                        (a.epilogue != GemmEpilogue::kSwiGLU || config.activation_warps) && pairs != PairRows::kOn &&
-                       a.k >= 2 * kGemmTileK &&
                        (merge == MergeTails::kOn || (merge == MergeTails::kAuto && gemm_merge_pays(a)));
-  config.merged_early = config.merge_tails;
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major) && !config.merge_tails &&
                      (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
   return config;
@@ -199,7 +197,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
   params.merge_tails = config.merge_tails;
-  params.merged_early = config.merged_early;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

@@ -128,12 +128,8 @@ struct GemmConfig {
   bool activation_warps;
   // kRows (gemm_merges_tails): an expert whose rows are an odd multiple of 64 above 128 starts with one 192-row
   // tile instead of ending with a 64-row one; its k-slices carry the weight slice once for 192 rows. Not with
-  // pair_rows; FC1 only with activation_warps; K of two k-slices at least.
+  // pair_rows; FC1 only with activation_warps.
   bool merge_tails;
-  // With merge_tails: a 192-row tile's first k-slices (the ring's depth; unset, one) multiply its 128-row part while
-  // the staging boxes are still taken (FC1's activation jobs, FC2's stores), their tail part once the boxes are free.
-  // Both give the same bits.
-  bool merged_early;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same

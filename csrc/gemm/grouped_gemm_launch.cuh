@@ -21,7 +21,6 @@ struct GemmParams {
   bool pair_rows;         // kRows: launched as 2-CTA clusters over pairs of row blocks (GemmConfig)
   bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
   bool merge_tails;       // kRows: 192-row tiles instead of 64-row ones (GemmConfig)
-  bool merged_early;      // a 192-row tile's first k-slices: the 128-row part before the boxes are free (GemmConfig)
 };
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are

@@ -102,8 +102,6 @@ struct SharedStorage {
   // 192-row tail tiles (GemmConfig::merge_tails): the staging boxes hold one 64-row A slice per stage while such a
   // tile's k-slices load; the consumers release them (every thread) once no store or job uses them.
   uint64_t staging_free;
-  // GemmConfig::merged_early: the tail slices of a 192-row tile's first stages, loaded after the 128-row part's.
-  uint64_t tail_full[Stages];
 };
 
 template <GemmSchedule S, GemmEpilogue E>
@@ -506,8 +504,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   // their epilogue to the activation warps only.
   constexpr bool kMerge = gemm_merges_tails(S, E, BKMajor, GatherA);
   static_assert(!kMerge || sizeof(SharedStorageOf<S, E>::staging) == kStages * kBoxBytes, "a tail slice per stage");
-  // A merged tile's loops take at least one k-slice before its staging boxes are free and one after (merged_tile).
-  const bool merge = kMerge && p.merge_tails && (E != GemmEpilogue::kSwiGLU || act_warps) && args.k >= 2 * kGemmTileK;
+  const bool merge = kMerge && p.merge_tails && (E != GemmEpilogue::kSwiGLU || act_warps);
   auto& smem =
       *reinterpret_cast<SharedStorageOf<S, E>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
@@ -533,10 +530,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], 32);  // every lane of the activation warp
       }
     }
-    if constexpr (kMerge) {
-      cutlass::arch::ClusterBarrier::init(&smem.staging_free, 256);  // every consumer thread
-      for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&smem.tail_full[s], 1);
-    }
+    if constexpr (kMerge) cutlass::arch::ClusterBarrier::init(&smem.staging_free, 256);  // every consumer thread
     if constexpr (kPairs) {
       // the peer's producer
       for (int s = 0; s < kStages; ++s) cutlass::arch::ClusterBarrier::init(&smem.pair_empty[s], 1);
@@ -555,9 +549,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   }
 
   TileWalker<S, E> walker(args, p.split_half_tiles, merge);
-  // How many of a 192-row tile's first k-slices the consumers multiply for its 128-row part before the staging boxes
-  // are free: the ring's depth (GemmConfig::merged_early) or one, and at least one k-slice is left for both parts.
-  auto merged_early_slices = [&](int32_t k_tiles) { return p.merged_early ? min(int32_t(kStages), k_tiles - 1) : 1; };
   // Tile order: every grid-th tile (static), or claimed from a global counter as the producer gets to
   // it (GemmConfig::claim_tiles), which keeps CTAs near each other in the tile sequence when tiles
   // differ in length. Both give the same bits: a tile's result does not depend on which CTA
@@ -757,7 +748,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         __syncwarp();
       }
       const bool merged = kMerge && tile.rows > kGemmTileM;
-      const int32_t early = merged ? merged_early_slices(tile.k_tiles) : 0;
       for (int32_t kt = 0; kt < tile.k_tiles; ++kt) {
         const int stage = pos.stage;
         uint64_t* bar = &smem.full[stage];
@@ -777,7 +767,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
             // (warpgroup kt % 2, see the consumers): only those are loaded.
             const uint32_t a_bytes = GatherA       ? 0
                                      : tile.split ? kBoxBytes
-                                                  : kStageBytes - kStageBBytes + (merged && kt >= early ? kBoxBytes : 0);
+                                                  : kStageBytes - kStageBBytes + (merged ? kBoxBytes : 0);
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageBBytes + a_bytes);
             if (!GatherA && tile.split) {
               tma_load(&p.tma_a_half, bar, sa + (kt % 2) * (kSubTileElems / 2), k0, tile.m0, 0);
@@ -801,10 +791,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
               load_tile<false>(&p.tma_b, bar, sb, tile.n_tile * kGemmTileN + j * 128, k0, 0);
             }
           }
-          if (merged && kt >= early) {
-            // The tail rows' slice, into the staging boxes once the consumers have released them for this tile (the
-            // early k-slices' tail slices the consumers load themselves).
-            if (kt == early) cutlass::arch::ClusterBarrier::wait(&smem.staging_free, merged_tiles++ & 1);
+          if (merged) {
+            // The tail rows' slice, into the staging boxes once the consumers have released them for this tile.
+            if (kt == 0) cutlass::arch::ClusterBarrier::wait(&smem.staging_free, merged_tiles++ & 1);
             tma_load(&p.tma_a_half, bar, &smem.staging[0][0] + stage * (kBoxBytes / 2), k0, tile.m0 + kGemmTileM, 0);
           }
         }
@@ -987,94 +976,37 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   Tensor sHalfB = make_tensor(make_smem_ptr(smem.b), ring_layout<BKMajor, 128, 2 * kStages>());  // (.., 2 s + j)
   Tensor tTrA = thr_tail.make_fragment_A(thr_tail.partition_A(sTailA));
   Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sHalfB));
-  uint32_t tail_phases = 0;  // bit s: the parity of tail_full[s]'s next phase
   auto merged_tile = [&](const Tile& tile, uint32_t taken) {
-    // GemmConfig::merged_early: the first k-slices' 128-row part runs while the activation warps (FC1) or the TMA
-    // stores (FC2) still use the boxes, the held round going to them behind the first k-slice's wgmma; the tail
-    // part of those k-slices follows from the boxes (tail_full), then both parts of the rest together. The sums
-    // run in the same order either way.
-    const int32_t early = merged_early_slices(tile.k_tiles);
-    RingPos<kStages> pos = ring;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    int32_t kt = 0;
-    // Do-whiles, here and below (early >= 1, k_tiles - early >= 1): a path around a loop would join the
-    // accumulators, where ptxas then serialises every wgmma (C7511, C7514).
-    do {
-      const int stage = pos.stage;
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
-      if (kt == 0) PRIMEMOE_TILE_TRACE(taken, 3, global_ns());
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    if (holding) {
+      if (kActWarps && act_warps) {
+        submit_held();
+      } else {
+        store_held();
       }
-      warpgroup_commit_batch();
-      if (kt == 0 && holding) {
-        if (kActWarps && act_warps) {
-          submit_held();
-        } else {
-          store_held();
-        }
-      }
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc);
-      pos.step(1);
-    } while (++kt < early);
+    }
     if (kActWarps && act_warps) {
       await_boxes();
     } else if (wtid == 0) {
       store_wait_read();
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    // The early k-slices' tail slices: each warpgroup loads those of the stages its own boxes hold (2 wg, 2 wg + 1)
-    // once its boxes are free (the producer, at 40 registers, had none left for this loop: it spilled).
-    static_assert(!kMerge || kStages == 2 * Pipeline<S, E>::kBoxes, "a stage's tail slice per box");
-    if (wtid == 0) {
-      RingPos<kStages> at = ring;
-      for (int32_t j = 0; j < early; ++j) {
-        const int s = at.stage;
-        at.step(1);
-        if (s / Pipeline<S, E>::kBoxes == wg) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.tail_full[s], kBoxBytes);
-          tma_load(&p.tma_a_half, &smem.tail_full[s], &smem.staging[0][0] + s * (kBoxBytes / 2),
-                   tile.k_begin + j * kGemmTileK, tile.m0 + kGemmTileM, 0);
-        }
-      }
-    }
     cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
     PRIMEMOE_TILE_TRACE(taken, 2, global_ns());
     const int32_t tail_row0 = tile.m0 + kGemmTileM;
     Tensor acc_t = partition_fragment_C(tail_mma, Shape<_64, _128>{});
     CUTE_STATIC_ASSERT_V(size(acc_t) == Int<kHalf>{});
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     tail_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    int prev_stage = -1;
+    RingPos<kStages> pos = ring;
+    int prev_stage = 0;
     uint32_t prev_phase = 0;
-    RingPos<kStages> tail_pos = ring;
-    int32_t j = 0;
-    do {
-      const int stage = tail_pos.stage;
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.tail_full[stage], (tail_phases >> stage) & 1);
-      tail_phases ^= 1u << stage;
-      warpgroup_fence_operand(acc_t);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tTrA); ++kb) {
-        cute::gemm(tail_mma, tTrA(_, _, kb, stage), tTrB(_, _, kb, 2 * stage + wg), acc_t);
-        tail_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc_t);
-      if (prev_stage >= 0) release(prev_stage, 1);
-      prev_stage = stage;
-      prev_phase = tail_pos.phase;
-      tail_pos.step(1);
-    } while (++j < early);
+    // A do-while: a merged tile has k-slices (K >= 64), and a path around the loop would join the accumulators
+    // before the last wait, where ptxas then serialises every wgmma (C7514).
+    int32_t kt = 0;
     do {
       const int stage = pos.stage;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
+      if (kt == 0) PRIMEMOE_TILE_TRACE(taken, 3, global_ns());
       warpgroup_fence_operand(acc);
       warpgroup_fence_operand(acc_t);
       warpgroup_arrive();
@@ -1092,7 +1024,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc);
       warpgroup_fence_operand(acc_t);
-      if (prev_stage >= 0) release(prev_stage, 1);
+      if (kt > 0) release(prev_stage, 1);
       prev_stage = stage;
       prev_phase = pos.phase;
       pos.step(1);
