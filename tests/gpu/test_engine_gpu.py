@@ -170,19 +170,22 @@ def merged_tail_rows(offsets):
 
 
 @pytest.mark.parametrize("order", ["static", "claimed"])
-@pytest.mark.parametrize("counts, hidden, inter", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 1408),
-                                                   ([1, 129, 300] * 60, 64, 256), ([1, 129, 300] * 60, 192, 256),
-                                                   ([0, 0, 5000, 0], 2048, 1536), ([129], 256, 256)])
-def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, order):
+@pytest.mark.parametrize("counts, hidden, inter, spare", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 1408, 37),
+                                                          ([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 1408, 300),
+                                                          ([1, 129, 300] * 60, 64, 256, 37),
+                                                          ([1, 129, 300] * 60, 192, 256, 37),
+                                                          ([0, 0, 5000, 0], 2048, 1536, 37), ([129], 256, 256, 37)])
+def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, spare, order):
     """An expert's first 192 rows as one tile where its rows are an odd multiple of 64 (PRIMEMOE_GEMM_MERGE_TAILS=1):
     FC1 (h kept and not) and the plain-store GEMM (FC2's variant, here over rows x w1 so that K = hidden; weighted
     and not) against the CPU kernels on poisoned outputs; outside the tails bitwise those of unmerged tiles (the same
     wgmma sequence), and no launch pairs. One and three k-slices per tile (hidden 64, 192: a merged tile's loop runs
     once), 36 (2304: ring positions differ from tile to tile), several merged tiles per CTA, experts of 64 rows
-    beside them (half tiles), a lone merged tile, both tile orders."""
+    beside them (half tiles), a lone merged tile, both tile orders; 37 rows past the routed ones (part of a tile with
+    no k-slice) and 300 (several such tiles, after the merged ones)."""
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    gpu = engine_operands(counts, hidden, inter, seed=23, device="cuda")
-    cpu = engine_operands(counts, hidden, inter, seed=23)
+    gpu = engine_operands(counts, hidden, inter, seed=23, device="cuda", spare_rows=spare)
+    cpu = engine_operands(counts, hidden, inter, seed=23, spare_rows=spare)
     tails = merged_tail_rows(cpu.offsets)
     assert tails.any()
     runs = {}
