@@ -15,7 +15,7 @@
 # clocks: SM clock, power and power-cap state while the GEMMs run back to back vs with gaps (scripts/clock_state.py);
 # gatherbench: the row gather against other ways to move its bytes (scripts/gather_bench.cu);
 # layoutcost: FC1 and FC2 on the benchmark's row layout against even, rounded-down and 128-padded ones (scripts/layout_cost.py);
-# tiletrace: per-tile timelines of FC1 and FC2 at Qwen3-235B T = 8192, 192-row tiles off then on (scripts/tile_trace.cu,
+# tiletrace: per-tile timelines of FC1 and FC2 at Qwen3-235B T = 8192, 192-row tiles off then on, and FC1's activation jobs (scripts/tile_trace.cu,
 # built with the engine's sources and PRIMEMOE_GEMM_TILE_TRACE; TRACE_ARGS adds options, e.g. --shape 30b);
 # ncu / ncu235: Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py) at 30B T = 16384
 # / 235B T = 8192; commprof: dispatch/combine region and kernel times on every GPU (scripts/comm_profile.py).

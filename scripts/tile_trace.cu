@@ -3,7 +3,8 @@
 // of every CTA stamps each tile (grouped_gemm.cuh, kTileTraceFields). Prints, per tile height (128, a 192-row
 // merged tile, a 64-row half, a tile with no k-slice), the medians of: taken -> first k-slice landed (for a
 // merged tile split at the moment its staging boxes were free), the mainloop, and mainloop end -> next tile
-// taken (epilogue and handoff); then the span of the launch and how long SMs wait at its start and end.
+// taken (epilogue and handoff); then the span of the launch and how long SMs wait at its start and end; for FC1,
+// the medians of warpgroup 0's activation jobs: posted -> started -> h stored -> activation written -> boxes free.
 // The GPU is kept busy with untraced launches for --secs first, so that the traced one runs power-capped as the
 // benchmark's do. No torch: scripts/gpu_run.sh tiletrace builds it with the engine's host and instantiation files.
 //   tile_trace [--shape 235b|30b] [--tokens T] [--gemm fc1|fc2] [--merge auto|0|1 ...] [--secs S] [--csv FILE]
