@@ -449,17 +449,17 @@ __device__ __forceinline__ void tile_trace_put(const GroupedGemmArgs& a, int ct,
     a.tile_trace[uint64_t(blockIdx.x) * kTileTraceCtaWords + n * kTileTraceFields + f] = value;
   }
 }
-// Field f of warpgroup 0's n-th activation job.
-__device__ __forceinline__ void job_trace_put(const GroupedGemmArgs& a, uint32_t n, int f, uint64_t value) {
-  if (n < uint32_t(kTileTraceJobs)) {
-    a.tile_trace[uint64_t(blockIdx.x) * kTileTraceCtaWords + kTileTraceTiles * kTileTraceFields +
-                 n * kTileTraceJobFields + f] = value;
-  }
-}
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+// Field f of warpgroup 0's n-th activation job, now (by the thread that stamps it only).
+__device__ __forceinline__ void job_trace_put(const GroupedGemmArgs& a, bool stamps, uint32_t n, int f) {
+  if (stamps && n < uint32_t(kTileTraceJobs)) {
+    a.tile_trace[uint64_t(blockIdx.x) * kTileTraceCtaWords + kTileTraceTiles * kTileTraceFields +
+                 n * kTileTraceJobFields + f] = global_ns();
+  }
 }
 __device__ __forceinline__ uint64_t sm_id() {
   uint32_t id;
@@ -467,14 +467,12 @@ __device__ __forceinline__ uint64_t sm_id() {
   return id;
 }
 #define PRIMEMOE_TILE_TRACE(n, f, value) tile_trace_put(args, ct, n, f, value)
-#define PRIMEMOE_JOB_TRACE(stamps, n, f) \
-  if (stamps) job_trace_put(args, n, f, global_ns())
+#define PRIMEMOE_JOB_TRACE(stamps, n, f) job_trace_put(args, stamps, n, f)
 #else
 #define PRIMEMOE_TILE_TRACE(n, f, value) ((void)0)
 #define PRIMEMOE_JOB_TRACE(stamps, n, f) ((void)0)
 #endif
 
-// Fast division: the result is rounded to bf16, so its 2-ulp error does not show.
 // e^-g as __expf(-g) computes it, with its result flushed below 2^-126 (ex2's .ftz): 1 + e^-g, the only use, has the
 // same bits either way, and the flush drops __expf's three-instruction rescale around ex2. The activation warps run
 // at a fraction of their issue rate beside the wgmma (tile_trace), so their instruction count is their latency.
@@ -483,6 +481,7 @@ __device__ __forceinline__ float exp_neg(float g) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
   return e;
 }
+// Fast division: the result is rounded to bf16, so its 2-ulp error does not show.
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + exp_neg(g)); }
 
 __device__ __forceinline__ __nv_bfloat162 pack(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
