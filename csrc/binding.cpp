@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -671,29 +672,37 @@ GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at
 }
 
 // A GEMM override from the environment, read at every launch so that a process can alternate the settings: -1
-// where unset or empty, else the index of its value in {first, second}; any other value is an error.
-int gemm_override(const char* name, const char* first, const char* second) {
+// where unset or empty, else the index of its value in `values`; any other value is an error.
+int gemm_override(const char* name, std::initializer_list<const char*> values) {
   const char* value = std::getenv(name);
   if (value == nullptr || *value == '\0') return -1;
   const std::string v(value);
-  PRIMEMOE_CHECK(v == first || v == second, name, ": expected ", first, " or ", second, ", got '", v, "'");
-  return v == first ? 0 : 1;
+  std::string expected;
+  int index = 0;
+  for (const char* choice : values) {
+    if (v == choice) return index;
+    expected += (index == 0 ? "" : index + 1 == int(values.size()) ? " or " : ", ") + std::string(choice);
+    ++index;
+  }
+  PRIMEMOE_CHECK(false, name, ": expected ", expected, ", got '", v, "'");
+  return -1;
 }
 
 void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
   const char* why = "";
   PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
   // Unset, the heuristics' choice of each. PRIMEMOE_GEMM_PAIRS=1 / 0: paired row blocks wherever a variant has them
-  // (gemm_pairs_rows) / nowhere. PRIMEMOE_FC1_ACTIVATION: who computes FC1's activation (unset: warps).
+  // (gemm_pairs_rows) / nowhere. PRIMEMOE_FC1_ACTIVATION: who computes FC1's activation (unset:
+  // warps, with the helper warp; two_warps: without it; consumers).
   // PRIMEMOE_GEMM_MERGE_TAILS=1 / 0: 192-row tail tiles wherever a variant has them (gemm_merges_tails) / nowhere.
-  const int order = gemm_override("PRIMEMOE_GEMM_TILE_ORDER", "static", "claimed");
-  const int pairs = gemm_override("PRIMEMOE_GEMM_PAIRS", "0", "1");
-  const int activation = gemm_override("PRIMEMOE_FC1_ACTIVATION", "warps", "consumers");
-  const int merge = gemm_override("PRIMEMOE_GEMM_MERGE_TAILS", "0", "1");
+  const int order = gemm_override("PRIMEMOE_GEMM_TILE_ORDER", {"static", "claimed"});
+  const int pairs = gemm_override("PRIMEMOE_GEMM_PAIRS", {"0", "1"});
+  const int activation = gemm_override("PRIMEMOE_FC1_ACTIVATION", {"warps", "two_warps", "consumers"});
+  const int merge = gemm_override("PRIMEMOE_GEMM_MERGE_TAILS", {"0", "1"});
   const GemmConfig config = choose_gemm_config(
       g, order < 0 ? TileOrder::kAuto : order == 0 ? TileOrder::kStatic : TileOrder::kClaimed,
       pairs < 0 ? PairRows::kAuto : pairs == 0 ? PairRows::kOff : PairRows::kOn,
-      activation == 1 ? Fc1Activation::kConsumers : Fc1Activation::kWarps,
+      activation == 1 ? Fc1Activation::kTwoWarps : activation == 2 ? Fc1Activation::kConsumers : Fc1Activation::kWarps,
       merge < 0 ? MergeTails::kAuto : merge == 0 ? MergeTails::kOff : MergeTails::kOn);
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)

@@ -126,6 +126,8 @@ struct GemmConfig {
   bool pair_rows;
   // FC1 (gemm_activation_warps): two producer warps compute the activation from the consumers' pre-activations.
   bool activation_warps;
+  // With activation_warps: the producer warpgroup's fourth warp computes rows 32-63 of every job of both.
+  bool activation_helper;
   // kRows (gemm_merges_tails): an expert whose rows are an odd multiple of 64 above 128 starts with one 192-row
   // tile instead of ending with a 64-row one; its k-slices carry the weight slice once for 192 rows. Not with
   // pair_rows; FC1 only with activation_warps.
@@ -140,9 +142,10 @@ enum class TileOrder { kAuto, kStatic, kClaimed };
 // them (gemm_pairs_rows). Both give the same bits.
 enum class PairRows { kAuto, kOff, kOn };
 
-// Who computes FC1's activation where the variant has activation warps (gemm_activation_warps): those warps (the
-// default), or the consumer warpgroups in their epilogue (comparisons). Both give the same bits.
-enum class Fc1Activation { kWarps, kConsumers };
+// Who computes FC1's activation where the variant has activation warps (gemm_activation_warps): those warps with
+// the helper (the default), without it, or the consumer warpgroups in their epilogue (comparisons). All give the
+// same bits (the consumers only on FC1 without 192-row tiles, which need the warps).
+enum class Fc1Activation { kWarps, kTwoWarps, kConsumers };
 
 // kAuto: the heuristics' choice of 192-row tail tiles (gemm_merge_pays); kOff / kOn force it where the variant has
 // them (gemm_merges_tails) and row blocks are not paired.

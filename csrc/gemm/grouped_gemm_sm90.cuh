@@ -200,6 +200,18 @@ __device__ __forceinline__ void arrive_count(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 
+// Whether the barrier's phase of this parity is complete, after waiting at most ~100 ns for it: a warp that
+// watches several barriers must not sleep on one while another is ready.
+__device__ __forceinline__ bool poll_parity(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 100;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
@@ -484,6 +496,10 @@ __device__ __forceinline__ float exp_neg(float g) {
 // Fast division: the result is rounded to bf16, so its 2-ulp error does not show.
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + exp_neg(g)); }
 
+// A bf16 pair as floats, the high half by a mask: one instruction less than __bfloat1622float2's extract and shift.
+__device__ __forceinline__ float2 bf16_pair_to_float2(uint32_t v) {
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
 __device__ __forceinline__ __nv_bfloat162 pack(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
 
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
@@ -526,7 +542,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       for (int w = 0; w < 2; ++w) {
         // Every thread of the consumer warpgroup arrives twice (a tail tile's job: every thread of both, once).
         cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 256);
-        cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], 32);  // every lane of the activation warp
+        // every lane of the activation warp (and of the helper warp)
+        cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], p.activation_helper ? 64 : 32);
       }
     }
     if constexpr (kMerge) cutlass::arch::ClusterBarrier::init(&smem.staging_free, 256);  // every consumer thread
@@ -606,12 +623,53 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // gathering warp holds more (its copies' addresses), and its consumers fit in 224.
     cutlass::arch::warpgroup_reg_dealloc<GatherA ? 56 : 40>();
     const int ptid = threadIdx.x;
-    if (act_warps && ptid >= 32 && ptid < 96) {
+    if (act_warps && ptid >= 32 && ptid < (p.activation_helper ? 128 : 96)) {
       // Activation warp of consumer warpgroup w: per job, the 64 x 64 gate and up boxes go to h by TMA (when
       // kept), a = bf16(silu(gate) * up) of the bf16 values overwrites the gate box and goes to `out`, and the
-      // boxes are handed back once TMA has read them.
-      const int w = ptid / 32 - 1;
+      // boxes are handed back once TMA has read them. With the helper (the fourth warp) each job's rows 32-63 are
+      // the helper's: beside the wgmma an activation warp issues about one instruction in eight (tile_trace), so
+      // a second warp on another scheduler halves the time the boxes are held. The owner and the helper meet at
+      // named barrier 3 + w: h's stores have read the boxes, then the helper's half is written.
       const int lane = ptid % 32;
+      auto activate = [&](uint32_t gate_box, int chunk0, int chunks) {
+        const uint32_t up_box = gate_box + kBoxBytes;
+        for (int c = chunk0 + lane; c < chunk0 + chunks; c += 32) {  // 16-byte chunks: 64 rows x 8, swizzled
+          const uint32_t at = swizzled(c / 8, (c % 8) * 8);
+          const uint4 g = ld_shared_v4(gate_box + at);
+          const uint4 u = ld_shared_v4(up_box + at);
+          auto act = [](uint32_t gv, uint32_t uv) {
+            const float2 gf = bf16_pair_to_float2(gv);
+            const float2 uf = bf16_pair_to_float2(uv);
+            const __nv_bfloat162 a = pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
+            return *reinterpret_cast<const uint32_t*>(&a);
+          };
+          st_shared_v4(gate_box + at, make_uint4(act(g.x, u.x), act(g.y, u.y), act(g.z, u.z), act(g.w, u.w)));
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      };
+      auto meet = [](int w) { asm volatile("bar.sync %0, 64;" ::"r"(3 + w) : "memory"); };
+      if (ptid >= 96) {
+        // The helper takes the owners' jobs as they come (a split half tile's warpgroup 1 posts none).
+        uint32_t jobs[2] = {0, 0};
+        bool live[2] = {true, true};
+        while (live[0] || live[1]) {
+          for (int w = 0; w < 2; ++w) {
+            if (!live[w] || !__all_sync(0xffffffffu, poll_parity(&smem.act_full[w], jobs[w] & 1))) continue;
+            asm volatile("" ::: "memory");
+            if (smem.act_job[w][1] < 0) {
+              live[w] = false;
+              continue;
+            }
+            meet(w);
+            activate(smem_addr(smem.staging[w]), 256, 256);
+            meet(w);
+            cutlass::arch::ClusterBarrier::arrive(&smem.act_empty[w]);
+            ++jobs[w];
+          }
+        }
+        return;
+      }
+      const int w = ptid / 32 - 1;
       const uint32_t gate_box = smem_addr(smem.staging[w]);
       const uint32_t up_box = gate_box + kBoxBytes;
       for (uint32_t job = 0;; ++job) {
@@ -629,19 +687,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
         PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 2);
         __syncwarp();
-        for (int c = lane; c < 64 * 8; c += 32) {  // 16-byte chunks: 64 rows x 8, swizzled as TMA reads them
-          const uint32_t at = swizzled(c / 8, (c % 8) * 8);
-          const uint4 g = ld_shared_v4(gate_box + at);
-          const uint4 u = ld_shared_v4(up_box + at);
-          auto act = [](uint32_t gv, uint32_t uv) {
-            const float2 gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv));
-            const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
-            const __nv_bfloat162 a = pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
-            return *reinterpret_cast<const uint32_t*>(&a);
-          };
-          st_shared_v4(gate_box + at, make_uint4(act(g.x, u.x), act(g.y, u.y), act(g.z, u.z), act(g.w, u.w)));
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        if (p.activation_helper) meet(w);
+        activate(gate_box, 0, p.activation_helper ? 256 : 512);
+        if (p.activation_helper) meet(w);
         __syncwarp();
         PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 3);
         if (lane == 0) {

@@ -117,7 +117,7 @@ def test_claimed_tile_order_gives_the_static_bits(monkeypatch):
 @pytest.mark.parametrize("counts, hidden", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304), ([1, 129, 300] * 60, 64),
                                             ([1, 129, 300] * 60, 192), ([0, 0, 5000, 0], 2048)])
 def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, order, pairs):
-    """FC1's activation by two producer warps (the default) against the consumer warpgroups computing it
+    """FC1's activation by the producer's warps (the default) against the consumer warpgroups computing it
     (PRIMEMOE_FC1_ACTIVATION=consumers), with h kept and not: bitwise equal, every element written. Split half
     tiles with one and three k-slices (k = 64, 192: the second warpgroup has none / one, so its held job goes
     after the mainloop), 36 k-slices (2304), rows past the routed ones, both tile orders, paired and not."""
@@ -131,6 +131,29 @@ def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, o
     }
     assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_ACTIVATION", "consumers", "warps", ops_under_test,
                                "the activation warps")
+
+
+@pytest.mark.parametrize("merge", ["0", "1"])
+@pytest.mark.parametrize("order", ["static", "claimed"])
+@pytest.mark.parametrize("counts, hidden, spare", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 37),
+                                                   ([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 300),
+                                                   ([1, 129, 300] * 60, 64, 37), ([1, 129, 300] * 60, 192, 37),
+                                                   ([0, 0, 5000, 0], 2048, 37), ([129], 256, 37)])
+def test_activation_helper_gives_the_two_warps_bits(monkeypatch, counts, hidden, spare, order, merge):
+    """The producer warpgroup's fourth warp taking rows 32-63 of every activation job (the default) against the two
+    activation warps alone (PRIMEMOE_FC1_ACTIVATION=two_warps), h kept and not: bitwise equal, every element
+    written. With and without 192-row tiles (whose tail jobs hold gate and up from both warpgroups), split half
+    tiles with one and three k-slices (the helper serves warpgroup 0 alone there), rows past the routed ones (jobs
+    back to back), both tile orders."""
+    gpu = engine_operands(counts, hidden, 1408, seed=29, device="cuda", spare_rows=spare)
+    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
+    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", merge)
+    ops_under_test = {
+        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
+        "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
+    }
+    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_ACTIVATION", "two_warps", "warps", ops_under_test,
+                               "the helper warp")
 
 
 @pytest.mark.parametrize("order", ["static", "claimed"])
@@ -264,7 +287,7 @@ def test_gemm_overrides_are_checked(monkeypatch):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
     monkeypatch.delenv("PRIMEMOE_GEMM_MERGE_TAILS")
     monkeypatch.setenv("PRIMEMOE_FC1_ACTIVATION", "fast")
-    with pytest.raises(RuntimeError, match="PRIMEMOE_FC1_ACTIVATION: expected warps or consumers"):
+    with pytest.raises(RuntimeError, match="PRIMEMOE_FC1_ACTIVATION: expected warps, two_warps or consumers"):
         ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
 
 
@@ -287,7 +310,7 @@ def test_fc1_gather_equals_fc1_of_gathered_rows(monkeypatch, tokens, routing, sh
     assert not h[g.row_to_slot < 0].any(), "padding rows must be zeros"
 
 
-@pytest.mark.parametrize("activation", ["warps", "consumers"])
+@pytest.mark.parametrize("activation", ["warps", "two_warps", "consumers"])
 @pytest.mark.parametrize("pairs", ["0", "1"])
 @pytest.mark.parametrize("order", ["static", "claimed"])
 def test_fc1_gather_schedules_give_the_bits_of_fc1(monkeypatch, order, pairs, activation):
