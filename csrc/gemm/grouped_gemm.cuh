@@ -126,8 +126,9 @@ struct GemmConfig {
   bool pair_rows;
   // FC1 (gemm_activation_warps): two producer warps compute the activation from the consumers' pre-activations.
   bool activation_warps;
-  // With activation_warps: the producer warpgroup's fourth warp computes rows 32-63 of every job of both.
-  bool activation_helper;
+  // With activation_warps: the producer warpgroup's fourth warp computes the last activation_helper_rows rows (a
+  // multiple of 8; 0: none) of every job of both (kActivationHelperRows).
+  int32_t activation_helper_rows;
   // kRows (gemm_merges_tails): an expert whose rows are an odd multiple of 64 above 128 starts with one 192-row
   // tile instead of ending with a 64-row one; its k-slices carry the weight slice once for 192 rows. Not with
   // pair_rows; FC1 only with activation_warps.
@@ -146,6 +147,11 @@ enum class PairRows { kAuto, kOff, kOn };
 // the helper (the default), without it, or the consumer warpgroups in their epilogue (comparisons). All give the
 // same bits (the consumers only on FC1 without 192-row tiles, which need the warps).
 enum class Fc1Activation { kWarps, kTwoWarps, kConsumers };
+
+// The rows of each 64-row activation job the helper warp takes. Both warpgroups post their jobs at once at a tile's
+// end, so the helper's share of the two runs beside each owner's own: 24 of 64 leaves the owners 40 and the
+// helper 48 (32 left warpgroup 1's job, served second, as long as without the helper).
+constexpr int32_t kActivationHelperRows = 24;
 
 // kAuto: the heuristics' choice of 192-row tail tiles (gemm_merge_pays); kOff / kOn force it where the variant has
 // them (gemm_merges_tails) and row blocks are not paired.

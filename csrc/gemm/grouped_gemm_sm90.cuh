@@ -310,6 +310,19 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
+// 16 bytes of the gate box and of the up box behind it (kBoxBytes on) at each of two addresses, as one burst.
+__device__ __forceinline__ void ld_gate_up_x2(uint32_t at0, uint32_t at1, uint4& g0, uint4& u0, uint4& g1, uint4& u1) {
+  static_assert(kBoxBytes == 8192, "the up box's offset below");
+  asm volatile(
+      "ld.shared.v4.b32 {%0, %1, %2, %3}, [%16];\n\t"
+      "ld.shared.v4.b32 {%4, %5, %6, %7}, [%16 + 8192];\n\t"
+      "ld.shared.v4.b32 {%8, %9, %10, %11}, [%17];\n\t"
+      "ld.shared.v4.b32 {%12, %13, %14, %15}, [%17 + 8192];"
+      : "=r"(g0.x), "=r"(g0.y), "=r"(g0.z), "=r"(g0.w), "=r"(u0.x), "=r"(u0.y), "=r"(u0.z), "=r"(u0.w),
+        "=r"(g1.x), "=r"(g1.y), "=r"(g1.z), "=r"(g1.w), "=r"(u1.x), "=r"(u1.y), "=r"(u1.z), "=r"(u1.w)
+      : "r"(at0), "r"(at1));
+}
+
 __device__ __forceinline__ void put_pair(uint32_t slots, int box, int r, int c, __nv_bfloat162 v) {
   st_shared(slots + box * kBoxBytes + swizzled(r, c), *reinterpret_cast<const uint32_t*>(&v));
 }
@@ -543,7 +556,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         // Every thread of the consumer warpgroup arrives twice (a tail tile's job: every thread of both, once).
         cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 256);
         // every lane of the activation warp (and of the helper warp)
-        cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], p.activation_helper ? 64 : 32);
+        cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], p.activation_helper_rows > 0 ? 64 : 32);
       }
     }
     if constexpr (kMerge) cutlass::arch::ClusterBarrier::init(&smem.staging_free, 256);  // every consumer thread
@@ -623,27 +636,32 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // gathering warp holds more (its copies' addresses), and its consumers fit in 224.
     cutlass::arch::warpgroup_reg_dealloc<GatherA ? 56 : 40>();
     const int ptid = threadIdx.x;
-    if (act_warps && ptid >= 32 && ptid < (p.activation_helper ? 128 : 96)) {
+    if (act_warps && ptid >= 32 && ptid < (p.activation_helper_rows > 0 ? 128 : 96)) {
       // Activation warp of consumer warpgroup w: per job, the 64 x 64 gate and up boxes go to h by TMA (when
       // kept), a = bf16(silu(gate) * up) of the bf16 values overwrites the gate box and goes to `out`, and the
-      // boxes are handed back once TMA has read them. With the helper (the fourth warp) each job's rows 32-63 are
-      // the helper's: beside the wgmma an activation warp issues about one instruction in eight (tile_trace), so
-      // a second warp on another scheduler halves the time the boxes are held. The owner and the helper meet at
-      // named barrier 3 + w: h's stores have read the boxes, then the helper's half is written.
+      // boxes are handed back once TMA has read them. With the helper (the fourth warp) each job's last
+      // activation_helper_rows rows are the helper's: beside the wgmma one warp took ~12 us per job (tile_trace),
+      // paced by latency, not by its instructions, so a second warp shortens the time the boxes are held. The
+      // owner and the helper meet at named barrier 3 + w: h's stores have read the boxes, then the helper's rows
+      // are written.
       const int lane = ptid % 32;
-      auto activate = [&](uint32_t gate_box, int chunk0, int chunks) {
-        const uint32_t up_box = gate_box + kBoxBytes;
-        for (int c = chunk0 + lane; c < chunk0 + chunks; c += 32) {  // 16-byte chunks: 64 rows x 8, swizzled
-          const uint32_t at = swizzled(c / 8, (c % 8) * 8);
-          const uint4 g = ld_shared_v4(gate_box + at);
-          const uint4 u = ld_shared_v4(up_box + at);
-          auto act = [](uint32_t gv, uint32_t uv) {
-            const float2 gf = bf16_pair_to_float2(gv);
-            const float2 uf = bf16_pair_to_float2(uv);
-            const __nv_bfloat162 a = pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
-            return *reinterpret_cast<const uint32_t*>(&a);
-          };
-          st_shared_v4(gate_box + at, make_uint4(act(g.x, u.x), act(g.y, u.y), act(g.z, u.z), act(g.w, u.w)));
+      // Rows [row0, row0 + rows) of a job: per step of 8 rows a lane's 16-byte chunk of two rows, gate and up, in
+      // one burst of four loads. Beside the wgmma's operand reads a load's latency, not the arithmetic, sets the
+      // loop's pace (tile_trace: ~17 cycles per instruction with the loads of one chunk at a time).
+      auto activate = [&](uint32_t gate_box, int row0, int rows) {
+        const uint32_t at0 = gate_box + swizzled(row0 + lane / 8, (lane % 8) * 8);
+        const uint32_t at1 = gate_box + swizzled(row0 + lane / 8 + 4, (lane % 8) * 8);
+        auto act = [](uint32_t gv, uint32_t uv) {
+          const float2 gf = bf16_pair_to_float2(gv);
+          const float2 uf = bf16_pair_to_float2(uv);
+          const __nv_bfloat162 a = pack(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
+          return *reinterpret_cast<const uint32_t*>(&a);
+        };
+        for (int r = 0; r < rows; r += 8) {  // the swizzle repeats every 8 rows
+          uint4 g0, u0, g1, u1;
+          ld_gate_up_x2(at0 + r * 128, at1 + r * 128, g0, u0, g1, u1);
+          st_shared_v4(at0 + r * 128, make_uint4(act(g0.x, u0.x), act(g0.y, u0.y), act(g0.z, u0.z), act(g0.w, u0.w)));
+          st_shared_v4(at1 + r * 128, make_uint4(act(g1.x, u1.x), act(g1.y, u1.y), act(g1.z, u1.z), act(g1.w, u1.w)));
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       };
@@ -661,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
               continue;
             }
             meet(w);
-            activate(smem_addr(smem.staging[w]), 256, 256);
+            activate(smem_addr(smem.staging[w]), 64 - p.activation_helper_rows, p.activation_helper_rows);
             meet(w);
             cutlass::arch::ClusterBarrier::arrive(&smem.act_empty[w]);
             ++jobs[w];
@@ -687,9 +705,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
         PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 2);
         __syncwarp();
-        if (p.activation_helper) meet(w);
-        activate(gate_box, 0, p.activation_helper ? 256 : 512);
-        if (p.activation_helper) meet(w);
+        const bool helped = p.activation_helper_rows > 0;
+        if (helped) meet(w);
+        activate(gate_box, 0, 64 - p.activation_helper_rows);
+        if (helped) meet(w);
         __syncwarp();
         PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 3);
         if (lane == 0) {

@@ -140,7 +140,7 @@ def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, o
                                                    ([1, 129, 300] * 60, 64, 37), ([1, 129, 300] * 60, 192, 37),
                                                    ([0, 0, 5000, 0], 2048, 37), ([129], 256, 37)])
 def test_activation_helper_gives_the_two_warps_bits(monkeypatch, counts, hidden, spare, order, merge):
-    """The producer warpgroup's fourth warp taking rows 32-63 of every activation job (the default) against the two
+    """The producer warpgroup's fourth warp taking the last rows of every activation job (the default) against the two
     activation warps alone (PRIMEMOE_FC1_ACTIVATION=two_warps), h kept and not: bitwise equal, every element
     written. With and without 192-row tiles (whose tail jobs hold gate and up from both warpgroups), split half
     tiles with one and three k-slices (the helper serves warpgroup 0 alone there), rows past the routed ones (jobs
