@@ -959,14 +959,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   int32_t held_row0 = 0;
   int32_t held_col = 0;  // its first column (with activation warps, the job's)
   bool holding = false;
-  // After a 192-row FC1 tile, whose tail jobs take both warpgroups' boxes at its end, the first job of its 128 rows
-  // waits here too (until a quarter into the next tile's k-slices): submitted at once it waited for the tail jobs
-  // (~9 us per merged tile, tile_trace).
-  constexpr bool kHoldsFirst = kMerge && kActWarps;
-  __nv_bfloat162 held_first[kHoldsFirst ? kHalf / 2 : 1];
-  int32_t held_first_row0 = 0;
-  int32_t held_first_col = 0;
-  bool holding_first = false;
   // The thread's part of the staging address, made opaque where it is used: else the compiler hoists all 32
   // addresses out of the tile loop and holds them through the mainloop, 32 registers it does not have.
   auto staging_base = [&](uint32_t& at, uint32_t& swizzle) {
@@ -1037,17 +1029,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     submit_job([&](int j) { return held[j / 2]; }, [&](int j) { return held[16 + j / 2]; }, held_row0, held_col);
     holding = false;
   };
-  auto submit_first = [&] {
-    if constexpr (kHoldsFirst) {
-      submit_job([&](int j) { return held_first[j / 2]; }, [&](int j) { return held_first[16 + j / 2]; },
-                 held_first_row0, held_first_col);
-      holding_first = false;
-    }
-  };
-  auto submit_both = [&] {
-    if (holding_first) submit_first();
-    if (holding) submit_held();
-  };
   // The ring position where this tile's k-slices start (both warpgroups step through every tile's).
   RingPos<kStages> ring;
   // A 192-row tile (merge): rows [m0, m0 + 128) as a full tile, and the tail rows [m0 + 128, + 64) split along N,
@@ -1062,10 +1043,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   Tensor tTrA = thr_tail.make_fragment_A(thr_tail.partition_A(sTailA));
   Tensor tTrB = thr_tail.make_fragment_B(thr_tail.partition_B(sHalfB));
   auto merged_tile = [&](const Tile& tile, uint32_t taken) {
-    if (kActWarps && act_warps) {
-      submit_both();
-    } else if (holding) {
-      store_held();
+    if (holding) {
+      if (kActWarps && act_warps) {
+        submit_held();
+      } else {
+        store_held();
+      }
     }
     if (kActWarps && act_warps) {
       await_boxes();
@@ -1207,22 +1190,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       load_quarter(0);
     };
     // The epilogue of the tile's (first) 128 rows, every variant but FC2 dgrad's.
-    auto deferred_epilogue = [&](auto after_merged) {
+    auto deferred_epilogue = [&] {
       if (kActWarps && act_warps) {
         auto gate = [&](int i) { return pack(acc(i), acc(i + 1)); };
         auto up = [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); };
-        if constexpr (kHoldsFirst && decltype(after_merged)::value) {
-          CUTE_UNROLL
-          for (int j = 0; j < 32; j += 2) {
-            held_first[j / 2] = gate(j);
-            held_first[16 + j / 2] = up(j);
-          }
-          held_first_row0 = row0;
-          held_first_col = tile.n_tile * 128;
-          holding_first = true;
-        } else {
-          submit_job(gate, up, row0, tile.n_tile * 128);
-        }
+        submit_job(gate, up, row0, tile.n_tile * 128);
         CUTE_UNROLL
         for (int j = 0; j < 32; j += 2) {
           held[j / 2] = gate(32 + j);
@@ -1261,7 +1233,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // through its mainloop, whose accumulators leave no registers for one.
     if (kMerge && tile.rows > kGemmTileM) {
       merged_tile(tile, taken);
-      deferred_epilogue(cute::true_type{});
+      deferred_epilogue();
       continue;
     }
     if (kLoadsQuarters && !routed) prefetch_first_quarter();
@@ -1287,9 +1259,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      if constexpr (decltype(submits)::value == 1) {
-        if (holding_first) submit_first();
-      } else if constexpr (decltype(submits)::value == 2) {
+      if constexpr (decltype(submits)::value) {
         if (holding) submit_held();
       } else {
         if (kLoadsQuarters && epilogue && kt == kt_first) prefetch_first_quarter();
@@ -1303,38 +1273,32 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       pos.step(kt_step);
     };
     if (kActWarps && act_warps) {
-      // The held job goes in the middle of this warpgroup's k-slices, one held since a 192-row tile a quarter in
-      // (separate iterations, so that the loops around them carry nothing of them).
+      // The held job goes in the middle of this warpgroup's k-slices (a separate iteration, so that the loops
+      // around it carry nothing of it).
       const int32_t count = tile.k_tiles > kt_first ? (tile.k_tiles - kt_first + kt_step - 1) / kt_step : 0;
-      const int32_t kt_quarter = kt_first + kt_step * (count / 4);
       const int32_t kt_mid = kt_first + kt_step * (count / 2);
       int32_t kt = kt_first;
-      if constexpr (kHoldsFirst) {
-        for (; kt < kt_quarter; kt += kt_step) k_slice(kt, Int<0>{});
-        if (kt < tile.k_tiles) {
-          k_slice(kt, Int<1>{});
-          kt += kt_step;
-        }
-      }
-      for (; kt < kt_mid; kt += kt_step) k_slice(kt, Int<0>{});
+      for (; kt < kt_mid; kt += kt_step) k_slice(kt, cute::false_type{});
       if (kt < tile.k_tiles) {
-        k_slice(kt, Int<2>{});
+        k_slice(kt, cute::true_type{});
         kt += kt_step;
       }
-      for (; kt < tile.k_tiles; kt += kt_step) k_slice(kt, Int<0>{});
+      for (; kt < tile.k_tiles; kt += kt_step) k_slice(kt, cute::false_type{});
     } else {
-      for (int32_t kt = kt_first; kt < tile.k_tiles; kt += kt_step) k_slice(kt, Int<0>{});
+      for (int32_t kt = kt_first; kt < tile.k_tiles; kt += kt_step) k_slice(kt, cute::false_type{});
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     PRIMEMOE_TILE_TRACE(taken, 4, global_ns());
     if (prev_stage >= 0) release(prev_stage, arrivals);
     ring.advance(tile.k_tiles);
-    // This warpgroup had no k-slice in the tile (or, with one held since a 192-row tile, too few).
-    if (kActWarps && act_warps) {
-      submit_both();
-    } else if (kDeferred && holding) {
-      store_held();
+    // This warpgroup had no k-slice in the tile.
+    if (kDeferred && holding) {
+      if (kActWarps && act_warps) {
+        submit_held();
+      } else {
+        store_held();
+      }
     }
     if (split) {
       // Warpgroup 1's partial sums (if it had a k-slice) join warpgroup 0's through its own staging boxes,
@@ -1371,7 +1335,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
     if (!epilogue) continue;
     if constexpr (kDeferred) {
-      deferred_epilogue(cute::false_type{});
+      deferred_epilogue();
     } else {
       // acc = da (unweighted) for activation columns [n_tile * 256, +256), done a 64-column
       // quarter at a time: slot 0 / 1 take that quarter's gate / up pre-activations (coalesced
@@ -1427,7 +1391,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     }
   }
   if (kActWarps && act_warps) {
-    submit_both();
+    if (holding) submit_held();
     await_boxes();
     post_job(0, -1);
   } else if (kDeferred && holding) {
