@@ -148,10 +148,10 @@ enum class PairRows { kAuto, kOff, kOn };
 // same bits (the consumers only on FC1 without 192-row tiles, which need the warps).
 enum class Fc1Activation { kWarps, kTwoWarps, kConsumers };
 
-// The rows of each 64-row activation job the helper warp takes. Both warpgroups post their jobs at once at a tile's
-// end, so the helper's share of the two runs beside each owner's own: 24 of 64 leaves the owners 40 and the
-// helper 48 (32 left warpgroup 1's job, served second, as long as without the helper).
-constexpr int32_t kActivationHelperRows = 24;
+// The rows of each 64-row activation job the helper warp takes: half. 24 (the owners 40, the helper 48 of two jobs
+// posted at once) was no faster: FC1 at Qwen3-235B T = 8192 0.3% slower than 32 and level with no helper, five
+// rounds back to back on one H200 (benchmarks/RESULTS.md, twenty-eighth session).
+constexpr int32_t kActivationHelperRows = 32;
 
 // kAuto: the heuristics' choice of 192-row tail tiles (gemm_merge_pays); kOff / kOn force it where the variant has
 // them (gemm_merges_tails) and row blocks are not paired.
