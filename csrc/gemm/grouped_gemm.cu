@@ -178,7 +178,8 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue) &&
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && claimed_order_pays(a)));
   config.activation_warps = gemm_activation_warps(a.schedule, a.epilogue) && activation != Fc1Activation::kConsumers;
-  config.activation_helper_rows = config.activation_warps && activation == Fc1Activation::kWarps ? kActivationHelperRows : 0;
+  config.activation_helper_rows =
+      config.activation_warps && activation == Fc1Activation::kWarps ? kActivationHelperRows : 0;
   // Pairs forced on win over merged tails: a pair's two CTAs take row blocks of one height.
   config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major, a.a_row_src != nullptr) &&
                        (a.epilogue != GemmEpilogue::kSwiGLU || config.activation_warps) && pairs != PairRows::kOn &&
