@@ -310,19 +310,6 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
-// 16 bytes of the gate box and of the up box behind it (kBoxBytes on) at each of two addresses, as one burst.
-__device__ __forceinline__ void ld_gate_up_x2(uint32_t at0, uint32_t at1, uint4& g0, uint4& u0, uint4& g1, uint4& u1) {
-  static_assert(kBoxBytes == 8192, "the up box's offset below");
-  asm volatile(
-      "ld.shared.v4.b32 {%0, %1, %2, %3}, [%16];\n\t"
-      "ld.shared.v4.b32 {%4, %5, %6, %7}, [%16 + 8192];\n\t"
-      "ld.shared.v4.b32 {%8, %9, %10, %11}, [%17];\n\t"
-      "ld.shared.v4.b32 {%12, %13, %14, %15}, [%17 + 8192];"
-      : "=r"(g0.x), "=r"(g0.y), "=r"(g0.z), "=r"(g0.w), "=r"(u0.x), "=r"(u0.y), "=r"(u0.z), "=r"(u0.w),
-        "=r"(g1.x), "=r"(g1.y), "=r"(g1.z), "=r"(g1.w), "=r"(u1.x), "=r"(u1.y), "=r"(u1.z), "=r"(u1.w)
-      : "r"(at0), "r"(at1));
-}
-
 __device__ __forceinline__ void put_pair(uint32_t slots, int box, int r, int c, __nv_bfloat162 v) {
   st_shared(slots + box * kBoxBytes + swizzled(r, c), *reinterpret_cast<const uint32_t*>(&v));
 }
@@ -645,8 +632,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       // owner and the helper meet at named barrier 3 + w: h's stores have read the boxes, then the helper's rows
       // are written.
       const int lane = ptid % 32;
-      // Rows [row0, row0 + rows) of a job: per step of 8 rows a lane's 16-byte chunk of two rows, gate and up, in
-      // one burst of four loads (ptxas still spreads them: 40 registers). Beside the wgmma's operand reads a load's
+      // Rows [row0, row0 + rows) of a job: per step of 8 rows a lane's 16-byte chunk of two rows, gate and up, four
+      // loads issued before any of their values is used (as far as the producer's 40 registers let ptxas). Beside the wgmma's operand reads a load's
       // latency, not the arithmetic, seems to set the loop's pace: 32 rows took 5.1 us with one chunk's loads at a
       // time (~17 cycles per instruction), 4.2 us with two (tile_trace, two boards).
       auto activate = [&](uint32_t gate_box, int row0, int rows) {
@@ -659,8 +646,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           return *reinterpret_cast<const uint32_t*>(&a);
         };
         for (int r = 0; r < rows; r += 8) {  // the swizzle repeats every 8 rows
-          uint4 g0, u0, g1, u1;
-          ld_gate_up_x2(at0 + r * 128, at1 + r * 128, g0, u0, g1, u1);
+          const uint4 g0 = ld_shared_v4(at0 + r * 128);
+          const uint4 u0 = ld_shared_v4(at0 + r * 128 + kBoxBytes);
+          const uint4 g1 = ld_shared_v4(at1 + r * 128);
+          const uint4 u1 = ld_shared_v4(at1 + r * 128 + kBoxBytes);
           st_shared_v4(at0 + r * 128, make_uint4(act(g0.x, u0.x), act(g0.y, u0.y), act(g0.z, u0.z), act(g0.w, u0.w)));
           st_shared_v4(at1 + r * 128, make_uint4(act(g1.x, u1.x), act(g1.y, u1.y), act(g1.z, u1.z), act(g1.w, u1.w)));
         }
