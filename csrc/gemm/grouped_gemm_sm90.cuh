@@ -633,9 +633,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       // are written.
       const int lane = ptid % 32;
       // Rows [row0, row0 + rows) of a job: per step of 8 rows a lane's 16-byte chunk of two rows, gate and up, four
-      // loads issued before any of their values is used (as far as the producer's 40 registers let ptxas). Beside the wgmma's operand reads a load's
-      // latency, not the arithmetic, seems to set the loop's pace: 32 rows took 5.1 us with one chunk's loads at a
-      // time (~17 cycles per instruction), 4.2 us with two (tile_trace, two boards).
+      // loads issued before any of their values is used (as far as the producer's 40 registers let ptxas). Beside
+      // the wgmma's operand reads a load's latency, not the arithmetic, seems to set the loop's pace: 32 rows took
+      // 5.1 us with one chunk's loads at a time (~17 cycles per instruction), 4.2 us with two (tile_trace, two
+      // boards).
       auto activate = [&](uint32_t gate_box, int row0, int rows) {
         const uint32_t at0 = gate_box + swizzled(row0 + lane / 8, (lane % 8) * 8);
         const uint32_t at1 = gate_box + swizzled(row0 + lane / 8 + 4, (lane % 8) * 8);
