@@ -699,11 +699,12 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
   const int pairs = gemm_override("PRIMEMOE_GEMM_PAIRS", {"0", "1"});
   const int activation = gemm_override("PRIMEMOE_FC1_ACTIVATION", {"warps", "two_warps", "consumers"});
   const int merge = gemm_override("PRIMEMOE_GEMM_MERGE_TAILS", {"0", "1"});
+  const int tail = gemm_override("PRIMEMOE_FC1_TAIL_ACTIVATION", {"consumers", "warps"});
   const GemmConfig config = choose_gemm_config(
       g, order < 0 ? TileOrder::kAuto : order == 0 ? TileOrder::kStatic : TileOrder::kClaimed,
       pairs < 0 ? PairRows::kAuto : pairs == 0 ? PairRows::kOff : PairRows::kOn,
       activation == 1 ? Fc1Activation::kTwoWarps : activation == 2 ? Fc1Activation::kConsumers : Fc1Activation::kWarps,
-      merge < 0 ? MergeTails::kAuto : merge == 0 ? MergeTails::kOff : MergeTails::kOn);
+      merge < 0 ? MergeTails::kAuto : merge == 0 ? MergeTails::kOff : MergeTails::kOn, tail == 1);
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {

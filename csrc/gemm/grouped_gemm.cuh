@@ -133,6 +133,8 @@ struct GemmConfig {
   // tile instead of ending with a 64-row one; its k-slices carry the weight slice once for 192 rows. Not with
   // pair_rows; FC1 only with activation_warps.
   bool merge_tails;
+  // FC1 with merge_tails: the tail's activation as two jobs of the activation warps, not by the consumers.
+  bool tail_activation_warps;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same
@@ -159,7 +161,7 @@ enum class MergeTails { kAuto, kOff, kOn };
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto,
                               PairRows pairs = PairRows::kAuto, Fc1Activation activation = Fc1Activation::kWarps,
-                              MergeTails merge = MergeTails::kAuto);
+                              MergeTails merge = MergeTails::kAuto, bool tail_activation_warps = false);
 
 // The variants built with the claimed tile order (a gathered A's producer warp walks the tiles, its lane 0 claims).
 // Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas
