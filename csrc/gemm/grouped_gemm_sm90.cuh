@@ -660,7 +660,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       };
-      auto meet = [](int w) { asm volatile("bar.sync %0, 64;" ::"r"(3 + w) : "memory"); };
+      // barrier.sync, not bar.sync: the owner and the helper reach it from different instructions, which the
+      // aligned form does not allow (compute-sanitizer synccheck).
+      auto meet = [](int w) { asm volatile("barrier.sync %0, 64;" ::"r"(3 + w) : "memory"); };
       if (ptid >= 96) {
         // The helper takes the owners' jobs as they come (a split half tile's warpgroup 1 posts none).
         uint32_t jobs[2] = {0, 0};
