@@ -695,16 +695,20 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
   // (gemm_pairs_rows) / nowhere. PRIMEMOE_FC1_ACTIVATION: who computes FC1's activation (unset:
   // warps, with the helper warp; two_warps: without it; consumers).
   // PRIMEMOE_GEMM_MERGE_TAILS=1 / 0: 192-row tail tiles wherever a variant has them (gemm_merges_tails) / nowhere.
+  // PRIMEMOE_FC1_MERGED_ACTIVATION: who computes FC1's activation around a 192-row tile (MergedActivation).
   const int order = gemm_override("PRIMEMOE_GEMM_TILE_ORDER", {"static", "claimed"});
   const int pairs = gemm_override("PRIMEMOE_GEMM_PAIRS", {"0", "1"});
   const int activation = gemm_override("PRIMEMOE_FC1_ACTIVATION", {"warps", "two_warps", "consumers"});
   const int merge = gemm_override("PRIMEMOE_GEMM_MERGE_TAILS", {"0", "1"});
-  const int tail = gemm_override("PRIMEMOE_FC1_TAIL_ACTIVATION", {"consumers", "warps"});
+  const int merged_activation = gemm_override("PRIMEMOE_FC1_MERGED_ACTIVATION", {"consumers", "tail", "warps"});
   const GemmConfig config = choose_gemm_config(
       g, order < 0 ? TileOrder::kAuto : order == 0 ? TileOrder::kStatic : TileOrder::kClaimed,
       pairs < 0 ? PairRows::kAuto : pairs == 0 ? PairRows::kOff : PairRows::kOn,
       activation == 1 ? Fc1Activation::kTwoWarps : activation == 2 ? Fc1Activation::kConsumers : Fc1Activation::kWarps,
-      merge < 0 ? MergeTails::kAuto : merge == 0 ? MergeTails::kOff : MergeTails::kOn, tail == 1);
+      merge < 0 ? MergeTails::kAuto : merge == 0 ? MergeTails::kOff : MergeTails::kOn,
+      merged_activation == 1   ? MergedActivation::kTail
+      : merged_activation == 2 ? MergedActivation::kWarps
+                               : MergedActivation::kConsumers);
   GroupedGemmArgs args = g;
   at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {

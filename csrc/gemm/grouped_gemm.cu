@@ -171,7 +171,7 @@ bool gemm_pairs_pay(const GroupedGemmArgs& a) {
 }
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs, Fc1Activation activation,
-                              MergeTails merge, bool tail_activation_warps) {
+                              MergeTails merge, MergedActivation merged_activation) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   config.split_half_tiles = true;
@@ -184,7 +184,7 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
   config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major, a.a_row_src != nullptr) &&
                        (a.epilogue != GemmEpilogue::kSwiGLU || config.activation_warps) && pairs != PairRows::kOn &&
                        (merge == MergeTails::kOn || (merge == MergeTails::kAuto && gemm_merge_pays(a)));
-  config.tail_activation_warps = tail_activation_warps;
+  config.merged_activation = merged_activation;
   config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major) && !config.merge_tails &&
                      (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
   return config;
@@ -201,7 +201,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.activation_warps = config.activation_warps;
   params.activation_helper_rows = config.activation_helper_rows;
   params.merge_tails = config.merge_tails;
-  params.tail_activation_warps = config.tail_activation_warps;
+  params.merged_activation = config.merged_activation;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;

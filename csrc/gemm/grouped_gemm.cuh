@@ -115,6 +115,12 @@ constexpr int kTileTraceJobs = 512;
 constexpr int kTileTraceCtaWords = kTileTraceTiles * kTileTraceFields + kTileTraceJobs * kTileTraceJobFields;
 #endif
 
+// Who computes FC1's activation around a 192-row tile (merge_tails): kConsumers, the consumer warpgroups for its
+// tail rows and for the tile before it, whose two jobs would hold the boxes that the merged tile's tail slices
+// need (its mainloop waited ~9-13 us for them); kTail, for its tail rows only; kWarps, neither (the activation
+// warps' jobs). All give the same bits.
+enum class MergedActivation { kConsumers, kTail, kWarps };
+
 // The host heuristics' choices for one launch (choose_gemm_config).
 struct GemmConfig {
   // kRows: a half tile's k-slices alternate between the consumer warpgroups. Always set since the claimed
@@ -133,8 +139,8 @@ struct GemmConfig {
   // tile instead of ending with a 64-row one; its k-slices carry the weight slice once for 192 rows. Not with
   // pair_rows; FC1 only with activation_warps.
   bool merge_tails;
-  // FC1 with merge_tails: the tail's activation as two jobs of the activation warps, not by the consumers.
-  bool tail_activation_warps;
+  // FC1 with merge_tails: who computes the activation around a 192-row tile.
+  MergedActivation merged_activation;
 };
 
 // kAuto: the heuristics' tile order; kStatic / kClaimed force one (comparisons and tests; both give the same
@@ -161,7 +167,8 @@ enum class MergeTails { kAuto, kOff, kOn };
 
 GemmConfig choose_gemm_config(const GroupedGemmArgs& args, TileOrder order = TileOrder::kAuto,
                               PairRows pairs = PairRows::kAuto, Fc1Activation activation = Fc1Activation::kWarps,
-                              MergeTails merge = MergeTails::kAuto, bool tail_activation_warps = false);
+                              MergeTails merge = MergeTails::kAuto,
+                              MergedActivation merged_activation = MergedActivation::kConsumers);
 
 // The variants built with the claimed tile order (a gathered A's producer warp walks the tiles, its lane 0 claims).
 // Not FC2 dgrad: its epilogue is register-tight, and the claim's registers made ptxas

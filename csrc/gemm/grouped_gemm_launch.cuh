@@ -22,7 +22,7 @@ struct GemmParams {
   bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
   int32_t activation_helper_rows;  // FC1: rows of every activation job the fourth producer warp takes (GemmConfig)
   bool merge_tails;       // kRows: 192-row tiles instead of 64-row ones (GemmConfig)
-  bool tail_activation_warps;  // FC1: a 192-row tile's tail activation by the activation warps (GemmConfig)
+  MergedActivation merged_activation;  // FC1: who computes the activation around a 192-row tile (GemmConfig)
 };
 
 // Defined for the variants listed in csrc/gemm/instantiations/ (generated). GatherA: A's rows are

@@ -625,6 +625,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     index = int32_t(w1.w);
     return Tile{int32_t(w0.x), int32_t(w0.y), int32_t(w0.z), int32_t(w0.w), int32_t(w1.x), int32_t(w1.y), w1.z != 0};
   };
+  // Whether the n-th tile has 192 rows, before it is taken: the producer passes a tile before it loads it, so by
+  // the previous tile's epilogue it is (nearly always) there, and waiting for it depends on nothing after that.
+  auto next_is_merged = [&](uint32_t n) {
+    const int slot = n & 1;
+    cutlass::arch::ClusterBarrier::wait(&smem.tile_full[slot], (n >> 1) & 1);
+    return int32_t(ld_shared(smem_addr(smem.tile_slot[slot]) + 20)) > kGemmTileM;  // Tile::rows
+  };
 
   if (warpgroup == 0) {
     // Exactly what the consumers take: setmaxnreg grows them only from registers the producer gave back. The
@@ -1047,11 +1054,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         store_held();
       }
     }
-    if (kActWarps && act_warps) {
-      await_boxes();
-    } else if (wtid == 0) {
-      store_wait_read();
-    }
+    if (kActWarps && act_warps) await_boxes();
+    if (wtid == 0) store_wait_read();  // the previous tile's activation, when the consumers stored it
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     cutlass::arch::ClusterBarrier::arrive(&smem.staging_free);
     PRIMEMOE_TILE_TRACE(taken, 2, global_ns());
@@ -1113,7 +1117,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         const __nv_bfloat162 v = pack(acc_t(i), acc_t(i + 1));
         st_shared(at + (i / 32) * 2 * kBoxBytes + pair_offset(i % 32, swizzle), *reinterpret_cast<const uint32_t*>(&v));
       }
-      if (p.tail_activation_warps) {
+      if (p.merged_activation == MergedActivation::kWarps) {
         if (wtid == 0) {
           asm volatile("" ::: "memory");
           smem.act_job[wg][0] = tail_row0;
@@ -1225,7 +1229,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     };
     // The epilogue of the tile's (first) 128 rows, every variant but FC2 dgrad's.
     auto deferred_epilogue = [&] {
-      if (kActWarps && act_warps) {
+      // Before a 192-row tile the consumers compute the activation (three store rounds, none deferred): as jobs,
+      // this tile's two held the boxes that the next one's tail slices need, one job after the other, while its
+      // mainloop waited (~9-13 us per merged tile, tile_trace).
+      const bool jobs = kActWarps && act_warps &&
+                        !(kMerge && merge && p.merged_activation == MergedActivation::kConsumers &&
+                          next_is_merged(taken + 1));
+      if (jobs) {
         auto gate = [&](int i) { return pack(acc(i), acc(i + 1)); };
         auto up = [&](int i) { return pack(acc(kHalf + i), acc(kHalf + i + 1)); };
         submit_job(gate, up, row0, tile.n_tile * 128);
@@ -1235,6 +1245,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           held[16 + j / 2] = up(32 + j);
         }
       } else if constexpr (E == GemmEpilogue::kSwiGLU) {
+        if (kActWarps && act_warps) await_boxes();  // the activation warps' last job is done with the boxes
         // The pre-activations, rounded to bf16 as kept for the backward, and the activation from them.
         if (args.out_h != nullptr) {
           // h: the gate half at column n_tile * 128, the up half n columns further; a: n_tile * 128.
@@ -1259,9 +1270,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       }
       held_row0 = row0;
       held_col = E != GemmEpilogue::kSwiGLU ? tile.n_tile * kGemmTileN + 128
-                 : kActWarps && act_warps  ? tile.n_tile * 128 + 64
-                                           : tile.n_tile * 128;
+                 : jobs                     ? tile.n_tile * 128 + 64
+                                            : tile.n_tile * 128;
       holding = true;
+      if (kActWarps && act_warps && !jobs) store_held();
     };
     // A merged tile goes straight to its epilogue: from no other path does a deferred round reach the next tile
     // through its mainloop, whose accumulators leave no registers for one.

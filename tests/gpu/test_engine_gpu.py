@@ -160,10 +160,10 @@ def test_activation_helper_gives_the_two_warps_bits(monkeypatch, counts, hidden,
 @pytest.mark.parametrize("counts, hidden, spare", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 300),
                                                    ([1, 129, 300] * 60, 64, 37), ([1, 129, 300] * 60, 192, 37),
                                                    ([129], 256, 37)])
-def test_tail_activation_by_consumers_gives_the_warps_bits(monkeypatch, counts, hidden, spare, order):
-    """A 192-row FC1 tile's tail activation computed by the consumers (the default) against the activation warps'
-    two jobs (PRIMEMOE_FC1_TAIL_ACTIVATION=warps), h kept and not, merged tails forced: bitwise equal, every
-    element written."""
+def test_merged_activation_by_consumers_gives_the_warps_bits(monkeypatch, counts, hidden, spare, order):
+    """FC1's activation around a 192-row tile computed by the consumers, for its tail (PRIMEMOE_FC1_MERGED_ACTIVATION
+    =tail) and also for the tile before it (consumers, the default), against the activation warps' jobs (warps), h
+    kept and not, merged tails forced: bitwise equal, every element written."""
     gpu = engine_operands(counts, hidden, 1408, seed=31, device="cuda", spare_rows=spare)
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "1")
@@ -171,8 +171,9 @@ def test_tail_activation_by_consumers_gives_the_warps_bits(monkeypatch, counts, 
         "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
         "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
     }
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_TAIL_ACTIVATION", "warps", "consumers", ops_under_test,
-                               "the consumers' tail activation")
+    for other in ("tail", "consumers"):
+        assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_MERGED_ACTIVATION", "warps", other, ops_under_test,
+                                   f"the consumers' activation ({other})")
 
 
 @pytest.mark.parametrize("order", ["static", "claimed"])
