@@ -90,7 +90,8 @@ for step in $STEPS; do
            --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
            $PY merge_layout_probe.py --shapes qwen3-235b-a22b:8192 --once "${NCU_LAYOUT:-3f1m}") > "$OUT/$step.log" 2>&1
       grep -E "grouped_gemm_kernel|Duration|Throughput|Hit Rate|Stall|Warp Cycles Per Issued|Issue Slots|dram__|lts__t_sector|hmma" "$OUT/$step.log" | head -80 ;;
-    sanitize)  # then racecheck and synccheck with FC1's and FC2's 192-row tiles forced (claimed order; ~300 rows per expert)
+    sanitize)  # then racecheck and synccheck with FC1's and FC2's 192-row tiles forced (claimed order; ~300 rows
+               # per expert)
       for tool in memcheck racecheck synccheck; do
         compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py > "$OUT/sanitize-$tool.log" 2>&1
         echo "$tool rc=$? $(tail -1 "$OUT/sanitize-$tool.log")"

@@ -161,9 +161,9 @@ def test_activation_helper_gives_the_two_warps_bits(monkeypatch, counts, hidden,
                                                    ([1, 129, 300] * 60, 64, 37), ([1, 129, 300] * 60, 192, 37),
                                                    ([129], 256, 37)])
 def test_merged_activation_by_consumers_gives_the_warps_bits(monkeypatch, counts, hidden, spare, order):
-    """FC1's activation around a 192-row tile computed by the consumers, for its tail (PRIMEMOE_FC1_MERGED_ACTIVATION
-    =tail) and also for the tile before it (consumers, the default), against the activation warps' jobs (warps), h
-    kept and not, merged tails forced: bitwise equal, every element written."""
+    """FC1's activation around a 192-row tile computed by the consumers, for its tail (`tail`) and also for the tile
+    before it (`consumers`, the default), against the activation warps' jobs (`warps`; PRIMEMOE_FC1_MERGED_ACTIVATION
+    selects), h kept and not, merged tails forced: bitwise equal, every element written."""
     gpu = engine_operands(counts, hidden, 1408, seed=31, device="cuda", spare_rows=spare)
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "1")
