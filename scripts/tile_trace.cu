@@ -285,10 +285,10 @@ int main(int argc, char** argv) {
   for (const std::string& m : o.merges) {
     const MergeTails merge = m == "1" ? MergeTails::kOn : m == "0" ? MergeTails::kOff : MergeTails::kAuto;
     const GemmConfig config = choose_gemm_config(g, TileOrder::kAuto, PairRows::kAuto, Fc1Activation::kWarps, merge);
-    std::printf("merge %s: claimed %d, merged tails %d, pairs %d, activation warps %d, helper %d, merged "
+    std::printf("merge %s: claimed %d, merged tails %d, pairs %d, activation warps %d, helper rows %d, merged "
                 "activation %d\n",
                 m.c_str(), config.claim_tiles, config.merge_tails, config.pair_rows, config.activation_warps,
-                config.activation_helper, int(config.merged_activation));
+                config.activation_helper_rows, int(config.merged_activation));
     auto launch = [&] {
       CHECK(cudaMemsetAsync(counter, 0, 4, stream));
       CHECK(launch_grouped_gemm(g, config, stream));

@@ -178,7 +178,8 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRow
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue) &&
                        (order == TileOrder::kClaimed || (order == TileOrder::kAuto && claimed_order_pays(a)));
   config.activation_warps = gemm_activation_warps(a.schedule, a.epilogue) && activation != Fc1Activation::kConsumers;
-  config.activation_helper = config.activation_warps && activation == Fc1Activation::kWarps;
+  config.activation_helper_rows =
+      config.activation_warps && activation == Fc1Activation::kWarps ? kActivationHelperRows : 0;
   // Pairs forced on win over merged tails: a pair's two CTAs take row blocks of one height.
   config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major, a.a_row_src != nullptr) &&
                        (a.epilogue != GemmEpilogue::kSwiGLU || config.activation_warps) && pairs != PairRows::kOn &&
@@ -198,7 +199,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   params.claim_tiles = config.claim_tiles;
   params.pair_rows = config.pair_rows;
   params.activation_warps = config.activation_warps;
-  params.activation_helper = config.activation_helper;
+  params.activation_helper_rows = config.activation_helper_rows;
   params.merge_tails = config.merge_tails;
   params.merged_activation = config.merged_activation;
   const uint64_t rows = uint64_t(a.num_rows);

@@ -132,9 +132,9 @@ struct GemmConfig {
   bool pair_rows;
   // FC1 (gemm_activation_warps): two producer warps compute the activation from the consumers' pre-activations.
   bool activation_warps;
-  // With activation_warps: the producer warpgroup's fourth warp computes the last kActivationHelperRows rows of
-  // every job of both.
-  bool activation_helper;
+  // With activation_warps: the producer warpgroup's fourth warp computes the last activation_helper_rows rows (a
+  // multiple of 8; 0: none) of every job of both (kActivationHelperRows).
+  int32_t activation_helper_rows;
   // kRows (gemm_merges_tails): an expert whose rows are an odd multiple of 64 above 128 starts with one 192-row
   // tile instead of ending with a 64-row one; its k-slices carry the weight slice once for 192 rows. Not with
   // pair_rows; FC1 only with activation_warps.
@@ -160,7 +160,6 @@ enum class Fc1Activation { kWarps, kTwoWarps, kConsumers };
 // posted at once) was no faster: FC1 at Qwen3-235B T = 8192 0.3% slower than 32 and level with no helper, five
 // rounds back to back on one H200 (benchmarks/RESULTS.md, twenty-eighth session).
 constexpr int32_t kActivationHelperRows = 32;
-static_assert(kActivationHelperRows % 8 == 0 && kActivationHelperRows < 64, "whole 8-row swizzle groups of a job");
 
 // kAuto: the heuristics' choice of 192-row tail tiles (gemm_merge_pays); kOff / kOn force it where the variant has
 // them (gemm_merges_tails) and row blocks are not paired.

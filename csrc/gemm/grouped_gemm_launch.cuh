@@ -20,7 +20,7 @@ struct GemmParams {
   bool claim_tiles;       // kRows: tiles claimed from args.tile_counter (GemmConfig)
   bool pair_rows;         // kRows: launched as 2-CTA clusters over pairs of row blocks (GemmConfig)
   bool activation_warps;  // FC1: two producer warps compute the activation (GemmConfig)
-  bool activation_helper;  // FC1: the fourth producer warp takes part of every activation job (GemmConfig)
+  int32_t activation_helper_rows;  // FC1: rows of every activation job the fourth producer warp takes (GemmConfig)
   bool merge_tails;       // kRows: 192-row tiles instead of 64-row ones (GemmConfig)
   MergedActivation merged_activation;  // FC1: who computes the activation around a 192-row tile (GemmConfig)
 };

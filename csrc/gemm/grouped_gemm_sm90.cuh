@@ -551,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         // Every thread of the consumer warpgroup arrives twice (a tail tile's job: every thread of both, once).
         cutlass::arch::ClusterBarrier::init(&smem.act_full[w], 256);
         // every lane of the activation warp (and of the helper warp)
-        cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], p.activation_helper ? 64 : 32);
+        cutlass::arch::ClusterBarrier::init(&smem.act_empty[w], p.activation_helper_rows > 0 ? 64 : 32);
       }
     }
     if constexpr (kMerge) cutlass::arch::ClusterBarrier::init(&smem.staging_free, 256);  // every consumer thread
@@ -638,11 +638,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     // gathering warp holds more (its copies' addresses), and its consumers fit in 224.
     cutlass::arch::warpgroup_reg_dealloc<GatherA ? 56 : 40>();
     const int ptid = threadIdx.x;
-    if (act_warps && ptid >= 32 && ptid < (p.activation_helper ? 128 : 96)) {
+    if (act_warps && ptid >= 32 && ptid < (p.activation_helper_rows > 0 ? 128 : 96)) {
       // Activation warp of consumer warpgroup w: per job, the 64 x 64 gate and up boxes go to h by TMA (when
       // kept), a = bf16(silu(gate) * up) of the bf16 values overwrites the gate box and goes to `out`, and the
       // boxes are handed back once TMA has read them. With the helper (the fourth warp) each job's last
-      // kActivationHelperRows rows are the helper's: beside the wgmma one warp took ~12 us per job (tile_trace),
+      // activation_helper_rows rows are the helper's: beside the wgmma one warp took ~12 us per job (tile_trace),
       // paced by latency, not by its instructions, so a second warp shortens the time the boxes are held. The
       // owner and the helper meet at named barrier 3 + w: h's stores have read the boxes, then the helper's rows
       // are written.
@@ -683,7 +683,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
               continue;
             }
             meet(w);
-            activate(smem_addr(smem.staging[w]), 64 - kActivationHelperRows, kActivationHelperRows);
+            activate(smem_addr(smem.staging[w]), 64 - p.activation_helper_rows, p.activation_helper_rows);
             meet(w);
             cutlass::arch::ClusterBarrier::arrive(&smem.act_empty[w]);
             ++jobs[w];
@@ -709,9 +709,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         }
         PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 2);
         __syncwarp();
-        const bool helped = p.activation_helper;
+        const bool helped = p.activation_helper_rows > 0;
         if (helped) meet(w);
-        activate(gate_box, 0, helped ? 64 - kActivationHelperRows : 64);
+        activate(gate_box, 0, 64 - p.activation_helper_rows);
         if (helped) meet(w);
         __syncwarp();
         PRIMEMOE_JOB_TRACE(w == 0 && lane == 0, job, 3);
