@@ -509,6 +509,11 @@ __device__ __forceinline__ uint32_t silu_times(uint32_t gate_pair, uint32_t up_p
   const __nv_bfloat162 a = pack(silu(g.x) * u.x, silu(g.y) * u.y);
   return *reinterpret_cast<const uint32_t*>(&a);
 }
+// The same for a 16-byte chunk: four pairs of gate and of up values.
+__device__ __forceinline__ uint4 silu_times(uint4 gate, uint4 up) {
+  return make_uint4(silu_times(gate.x, up.x), silu_times(gate.y, up.y), silu_times(gate.z, up.z),
+                    silu_times(gate.w, up.w));
+}
 
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool GatherA>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
@@ -660,10 +665,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
           const uint4 u0 = ld_shared_v4(at0 + r * 128 + kBoxBytes);
           const uint4 g1 = ld_shared_v4(at1 + r * 128);
           const uint4 u1 = ld_shared_v4(at1 + r * 128 + kBoxBytes);
-          st_shared_v4(at0 + r * 128, make_uint4(silu_times(g0.x, u0.x), silu_times(g0.y, u0.y),
-                                                 silu_times(g0.z, u0.z), silu_times(g0.w, u0.w)));
-          st_shared_v4(at1 + r * 128, make_uint4(silu_times(g1.x, u1.x), silu_times(g1.y, u1.y),
-                                                 silu_times(g1.z, u1.z), silu_times(g1.w, u1.w)));
+          st_shared_v4(at0 + r * 128, silu_times(g0, u0));
+          st_shared_v4(at1 + r * 128, silu_times(g1, u1));
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       };
@@ -1147,9 +1150,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
         for (int q = 0; q < 4; ++q) {  // 16-byte chunks wtid + 128 q of the box: 64 rows x 8, swizzled
           const int c = wtid + 128 * q;
           const uint32_t chunk = gate_box + swizzled(c / 8, (c % 8) * 8);
-          const uint4 g = ld_shared_v4(chunk);
-          const uint4 u = ld_shared_v4(chunk + kBoxBytes);
-          a[q] = make_uint4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z), silu_times(g.w, u.w));
+          a[q] = silu_times(ld_shared_v4(chunk), ld_shared_v4(chunk + kBoxBytes));
         }
         staging_acquire(wg, wtid);  // h's stores have read the boxes
         CUTE_UNROLL

@@ -98,6 +98,14 @@ def assert_same_bits_under_env(monkeypatch, variable, reference, other, ops_unde
             assert torch.equal(got, want), f"{name}: {what} changed the result"
 
 
+def fc1_ops(gpu):
+    """FC1 with h kept and not: what the comparisons of FC1's activation paths run."""
+    return {
+        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
+        "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
+    }
+
+
 def test_claimed_tile_order_gives_the_static_bits(monkeypatch):
     """The claimed tile order (the producer claims tiles from a counter and hands each index to the
     consumers) against every grid-th tile, forced both ways by PRIMEMOE_GEMM_TILE_ORDER: bitwise equal on
@@ -125,11 +133,7 @@ def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, o
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
     monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")  # merged tails need the warps: their sums differ
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
-    }
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_ACTIVATION", "consumers", "warps", ops_under_test,
+    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_ACTIVATION", "consumers", "warps", fc1_ops(gpu),
                                "the activation warps")
 
 
@@ -148,11 +152,7 @@ def test_activation_helper_gives_the_two_warps_bits(monkeypatch, counts, hidden,
     gpu = engine_operands(counts, hidden, 1408, seed=29, device="cuda", spare_rows=spare)
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", merge)
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
-    }
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_ACTIVATION", "two_warps", "warps", ops_under_test,
+    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_ACTIVATION", "two_warps", "warps", fc1_ops(gpu),
                                "the helper warp")
 
 
@@ -167,12 +167,8 @@ def test_merged_activation_by_consumers_gives_the_warps_bits(monkeypatch, counts
     gpu = engine_operands(counts, hidden, 1408, seed=31, device="cuda", spare_rows=spare)
     monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "1")
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
-    }
     for other in ("tail", "consumers"):
-        assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_MERGED_ACTIVATION", "warps", other, ops_under_test,
+        assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_MERGED_ACTIVATION", "warps", other, fc1_ops(gpu),
                                    f"the consumers' activation ({other})")
 
 
