@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
@@ -418,6 +419,27 @@ at::Tensor copy_routed_rows_cpu(const at::Tensor& rows, const at::Tensor& offset
   return rows.clone();
 }
 
+// zero_unrouted_rows: rows [expert_offsets[-1], rows) of `rows` set to zero in place, the bound read on the device
+// (no host sync): a GEMM run with zero_unrouted=False leaves those rows undefined, and a caller that hands such a
+// tensor on (the layer's fc1_out) zeroes them in one pass over the unrouted rows only.
+void zero_unrouted_rows_cuda(at::Tensor& rows, const at::Tensor& offsets) {
+  check_copy_routed_rows_args(rows, offsets);
+  PRIMEMOE_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "rows: expected 16-byte aligned data");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  ZeroUnroutedRowsArgs a{};
+  a.rows = rows.data_ptr();
+  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.num_experts = static_cast<int32_t>(offsets.numel() - 1);
+  a.num_rows = rows.size(0);
+  a.row_bytes = rows.size(1) * rows.element_size();
+  check_cuda(launch_zero_unrouted_rows(a, c10::cuda::getCurrentCUDAStream()), "zero_unrouted_rows");
+}
+
+void zero_unrouted_rows_cpu(at::Tensor& rows, const at::Tensor& offsets) {
+  check_copy_routed_rows_args(rows, offsets);
+  const int64_t bound = std::clamp<int64_t>(offsets[-1].item<int32_t>(), 0, rows.size(0));
+  rows.slice(0, bound).zero_();
+}
 
 // ---------------------------------------------------------------- NVSHMEM runtime
 
@@ -1018,6 +1040,7 @@ TORCH_LIBRARY(primemoe, m) {
   // out[i] = values[index[i]] in fp32, 0 where index[i] is not an index of values.
   m.def("gather_scalars(Tensor values, Tensor index) -> Tensor");
   m.def("copy_routed_rows(Tensor rows, Tensor expert_offsets) -> Tensor");
+  m.def("zero_unrouted_rows(Tensor(a!) rows, Tensor expert_offsets) -> ()");
   // zero_unrouted=False: output rows at or past expert_offsets[-1] are left unwritten (undefined), for
   // callers that read only the routed rows.
   m.def(
@@ -1067,6 +1090,7 @@ TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
   m.impl("slot_dot", &slot_dot_cuda);
   m.impl("gather_scalars", &gather_scalars_cuda);
   m.impl("copy_routed_rows", &copy_routed_rows_cuda);
+  m.impl("zero_unrouted_rows", &zero_unrouted_rows_cuda);
   m.impl("expert_gemm", &expert_gemm_cuda);
   m.impl("fc1_swiglu", &fc1_swiglu_cuda);
   m.impl("fc1_swiglu_gather", &fc1_swiglu_gather_cuda);
@@ -1083,6 +1107,7 @@ TORCH_LIBRARY_IMPL(primemoe, CPU, m) {
   m.impl("slot_dot", &slot_dot_cpu);
   m.impl("gather_scalars", &gather_scalars_cpu);
   m.impl("copy_routed_rows", &copy_routed_rows_cpu);
+  m.impl("zero_unrouted_rows", &zero_unrouted_rows_cpu);
   m.impl("expert_gemm", &expert_gemm_cpu);
   m.impl("fc1_swiglu", &fc1_swiglu_cpu);
   m.impl("fc1_swiglu_gather", &fc1_swiglu_gather_cpu);

@@ -5,7 +5,7 @@ rounds, so drift in the power-capped clock falls on all of them alike.
 Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
            --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
 Prints and writes, per shape, tokens, stage (gather, fc1, fc1_no_h, gather_fc1, fc1_gathered, fc2, forward,
-forward_gathered, backward) and variant, the median ms of each round."""
+forward_gathered, forward_zeroing, backward, backward_zeroing) and variant, the median ms of each round."""
 import argparse
 import os
 import statistics
@@ -67,17 +67,21 @@ def time_shape(shape, T, a, overridden, results):
         "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
         "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
         "forward_gathered": lambda: forward_gathered(x, idx, w, w1, w2, K),
+        "forward_zeroing": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN, True),
         "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
+        "backward_zeroing": lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, fc1_out, True, ops.ROW_ALIGN,
+                                                              True),
     }
-    for stage in a.stages:
-        fn = stages[stage]
-        for r in range(a.rounds):
+    # Rounds outermost: stages alternate too, so two stages that are two compositions compare like variants.
+    for _ in range(a.rounds):
+        for stage in a.stages:
             for name, env in a.variant:
                 for k in overridden:
                     os.environ.pop(k, None)
                 os.environ.update(env)
-                ms = phase_ms(fn, a.secs)
+                ms = phase_ms(stages[stage], a.secs)
                 results.setdefault(f"{shape}/{T} {stage}", {}).setdefault(name, []).append(round(ms, 4))
+    for stage in a.stages:
         row = results[f"{shape}/{T} {stage}"]
         print(f"{shape}/{T} {stage:8}", "  ".join(f"{n} {statistics.median(v):.4f} {v}" for n, v in row.items()),
               flush=True)
@@ -90,7 +94,8 @@ def main():
     add_timing_arguments(p, secs=1.0)
     p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
                    help="of gather, fc1, fc1_no_h (h not kept), gather_fc1 (the two in a row), fc1_gathered "
-                        "(fc1_swiglu_gather), fc2, forward, forward_gathered, backward")
+                        "(fc1_swiglu_gather), fc2, forward, forward_gathered, forward_zeroing and backward_zeroing "
+                        "(the GEMMs zero the rows past the routed ones), backward")
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}
     time_shapes(a, lambda shape, T, results: time_shape(shape, T, a, overridden, results), "ms",

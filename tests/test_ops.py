@@ -100,6 +100,21 @@ def test_copy_routed_rows_keeps_the_routed_rows():
     assert torch.equal(got[:9], rows[:9])
 
 
+@pytest.mark.parametrize("dtype, width", [(torch.bfloat16, 16), (torch.float32, 4)])
+def test_opcheck_zero_unrouted_rows(dtype, width):
+    rows = torch.randint(1, 100, (12, width)).to(dtype)
+    torch.library.opcheck(ops.zero_unrouted_rows, (rows, torch.tensor([0, 4, 4, 9], dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("bound, zeroed_from", [(9, 9), (0, 0), (12, 12), (15, 12), (-3, 0)])
+def test_zero_unrouted_rows_zeroes_the_rows_past_the_bound_in_place(bound, zeroed_from):
+    rows = torch.randn(12, 8).bfloat16() + 10
+    before = rows.clone()
+    ops.zero_unrouted_rows(rows, torch.tensor([0, min(bound, 4), bound], dtype=torch.int32))
+    assert torch.equal(rows[:zeroed_from], before[:zeroed_from])
+    assert torch.all(rows[zeroed_from:] == 0)
+
+
 @pytest.fixture
 def engine():
     return engine_operands([3, 0, 130], hidden=64, inter=256, seed=8)
@@ -325,6 +340,8 @@ CPP_ERRORS = {
     "copy_offsets_int64": ("", "ops.copy_routed_rows(rows, offsets.long())", "expert_offsets: expected int32"),
     "copy_offsets_2d": ("", "ops.copy_routed_rows(rows, offsets.view(1, 3))", "expert_offsets: expected a 1-D"),
     "copy_offsets_empty": ("", "ops.copy_routed_rows(rows, offsets[:0])", "expert_offsets: expected at least one"),
+    "zero_rows_strided": ("", "ops.zero_unrouted_rows(rows.t(), offsets)", "rows: expected a contiguous tensor"),
+    "zero_offsets_int64": ("", "ops.zero_unrouted_rows(rows, offsets.long())", "expert_offsets: expected int32"),
 }
 
 

@@ -224,6 +224,18 @@ __global__ void __launch_bounds__(kCopyThreads) copy_routed_rows_kernel(CopyRout
   for (; v < vecs; v += stride) dst[v] = src[v];
 }
 
+__global__ void __launch_bounds__(kCopyThreads) zero_unrouted_rows_kernel(ZeroUnroutedRowsArgs a) {
+  const int64_t bound = a.expert_offsets[a.num_experts];
+  const int64_t first = bound < 0 ? 0 : (bound > a.num_rows ? a.num_rows : bound);
+  const int64_t per_row = a.row_bytes / 16;
+  const int64_t vecs = (a.num_rows - first) * per_row;
+  uint4* __restrict__ dst = static_cast<uint4*>(a.rows) + first * per_row;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < vecs; v += stride) {
+    dst[v] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // Blocks of `threads` for `blocks` blocks' worth of work, at most what fills an H200 (132 SMs of
 // 2048 threads); the kernels grid-stride past that.
 int grid_for(int64_t blocks, int threads = kRowThreads) {
@@ -281,6 +293,15 @@ cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& a, cudaStream_t st
   const int64_t per_block = int64_t(kCopyThreads) * kCopyUnroll;
   copy_routed_rows_kernel<<<grid_for((max_vecs + per_block - 1) / per_block, kCopyThreads), kCopyThreads, 0,
                             stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_zero_unrouted_rows(const ZeroUnroutedRowsArgs& a, cudaStream_t stream) {
+  if (a.row_bytes % 16 || a.num_experts < 0) return cudaErrorInvalidValue;
+  const int64_t max_vecs = a.num_rows * (a.row_bytes / 16);
+  if (max_vecs == 0) return cudaSuccess;
+  zero_unrouted_rows_kernel<<<grid_for((max_vecs + kCopyThreads - 1) / kCopyThreads, kCopyThreads), kCopyThreads, 0,
+                              stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -1,7 +1,7 @@
 // Row movement between token order and the expert-major layout of dispatch_layout:
 // the permute into the expert GEMMs, the weighted combine back (fixed k order,
 // fp32 accumulation: bitwise deterministic), the routing-weight gradient, and a
-// copy of expert-major rows bounded by the device-side routed row count.
+// copy of expert-major rows bounded by the device-side routed row count, and the zeroing of the rows past it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -71,6 +71,16 @@ struct CopyRoutedRowsArgs {
   int64_t row_bytes;  // a multiple of 16
 };
 
+// rows[r] = 0 for the rows r >= expert_offsets[num_experts] (the bound is read on the device, clamped to
+// [0, num_rows]); the routed rows are not touched.
+struct ZeroUnroutedRowsArgs {
+  void* rows;  // [num_rows, row_bytes], 16-byte aligned
+  const int32_t* expert_offsets;  // [num_experts + 1]
+  int32_t num_experts;
+  int64_t num_rows;
+  int64_t row_bytes;  // a multiple of 16
+};
+
 // slot_to_row[s] = r for every row r with row_to_slot[r] = s in [0, num_slots), else -1.
 cudaError_t launch_invert_row_to_slot(const int32_t* row_to_slot, int64_t num_rows, int64_t num_slots,
                                       int32_t* slot_to_row, cudaStream_t stream);
@@ -79,5 +89,6 @@ cudaError_t launch_combine_reduce(const CombineReduceArgs& args, cudaStream_t st
 cudaError_t launch_slot_dot(const SlotDotArgs& args, cudaStream_t stream);
 cudaError_t launch_gather_scalars(const GatherScalarsArgs& args, cudaStream_t stream);
 cudaError_t launch_copy_routed_rows(const CopyRoutedRowsArgs& args, cudaStream_t stream);
+cudaError_t launch_zero_unrouted_rows(const ZeroUnroutedRowsArgs& args, cudaStream_t stream);
 
 }  // namespace primemoe

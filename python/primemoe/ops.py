@@ -104,6 +104,11 @@ def _copy_routed_rows_fake(rows, expert_offsets):
     return rows.new_empty(rows.shape)
 
 
+@torch.library.register_fake("primemoe::zero_unrouted_rows")
+def _zero_unrouted_rows_fake(rows, expert_offsets):
+    return None
+
+
 @torch.library.register_fake("primemoe::expert_gemm")
 def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True):
     return rows.new_empty(rows.shape[0], w.shape[2] if w_kn else w.shape[1])
@@ -249,9 +254,13 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
     return dxs, dw1, dw2, lib.slot_dot(da_unweighted, a, every_row).view(-1)
 
 
-def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine, row_align=ROW_ALIGN):
+def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine, row_align=ROW_ALIGN,
+                         zero_unrouted=False):
     """The layer's forward; ``row_align`` (a multiple of ROW_ALIGN) sets the layout of ``fc1_out``, which the
-    backward must be given too (the ops use ROW_ALIGN)."""
+    backward must be given too (the ops use ROW_ALIGN). The GEMMs skip the rows past the routed ones
+    (``zero_unrouted=False``: only the combine reads their outputs, through the slots' rows), and the unused
+    rows of ``fc1_out`` are zeroed on their own; ``zero_unrouted=True``, for comparisons: the GEMMs write
+    zeros there instead."""
     T, H = x.shape
     K = topk_idx.shape[1]
     E, two_i, _ = w1.shape
@@ -259,12 +268,19 @@ def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine, ro
     if T * K == 0:
         return x.new_zeros(T, H), x.new_zeros(row_to_slot.numel() if keep_fc1 else 0, two_i)
     # Not fc1_swiglu_gather: on the H200 the separate gather + TMA loads are faster (benchmarks/RESULTS.md).
-    a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None, slot_to_row), w1, offsets, keep_fc1, engine)
-    o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine)
+    a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None, slot_to_row), w1, offsets, keep_fc1, engine,
+                      zero_unrouted=zero_unrouted)
+    if keep_fc1 and not zero_unrouted:
+        lib.zero_unrouted_rows(h, offsets)  # fc1_out goes to the caller: no row of it is left undefined
+    o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine, zero_unrouted=zero_unrouted)
     return lib.combine_reduce(o, slot_to_row, None), h
 
 
-def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine, row_align=ROW_ALIGN):
+def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine, row_align=ROW_ALIGN,
+                          zero_unrouted=False):
+    """The layer's backward; the GEMMs skip the rows past the routed ones as in the forward: the outputs
+    read only the slots' rows (the combine, ``gather_scalars``) and each expert's routed rows (the weight
+    gradients)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     E = w1.shape[0]
@@ -277,7 +293,8 @@ def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine
     h = fc1_out if fc1_out is not None and fc1_out.numel() else None
     dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None, slot_to_row)
     row_weight = row_weights(topk_weights, row_to_slot)
-    dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine)
+    dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
+                                              zero_unrouted)
     d_topk_weights = lib.gather_scalars(dtw_rows, slot_to_row)
     dx = lib.combine_reduce(dxs, slot_to_row, None)
     return dx, d_topk_weights, dw1, dw2

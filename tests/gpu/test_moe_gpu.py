@@ -163,6 +163,23 @@ def test_poisoned_memory_is_fully_overwritten(impl, routing):
     assert_outputs_equal(poisoned, clean, "a run on poisoned memory")
 
 
+@pytest.mark.parametrize("routing", ["masked", "skewed", "empty_experts"])
+def test_fc1_out_on_poisoned_memory_is_the_cpu_ops(routing):
+    """The GEMMs skip the rows past the routed ones, and fc1_out's are zeroed apart: the caller gets no
+    undefined row, the routed ones as the CPU op computes them."""
+    problem = small_problem(4095, routing, seed=9)
+    args = (problem.x, problem.topk_idx, problem.topk_weights, problem.w1, problem.w2, "bf16", True)
+    poison_caching_allocator()
+    _, fc1_out = torch.ops.primemoe.moe_forward(*args)
+    _, want = torch.ops.primemoe.moe_forward(*(a.cpu() if torch.is_tensor(a) else a for a in args))
+    E = problem.w1.shape[0]
+    routed = int(torch.ops.primemoe.dispatch_layout(problem.topk_idx, E, 0, E, 64)[1][-1])
+    assert 0 < routed < fc1_out.shape[0]
+    assert not fc1_out[routed:].view(torch.int16).any(), "fc1_out: a row past the routed ones is not zero"
+    assert not fc1_out.isnan().any()
+    torch.testing.assert_close(fc1_out.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 # ---------------------------------------------------------------- CUDA graphs and torch.compile
 
 

@@ -262,6 +262,36 @@ def test_copy_routed_rows_copies_exactly_the_routed_rows(case):
     assert not (got_bytes[bound:] == UNROUTED_BYTE).all(dim=1).any(), "a row past the bound was copied"
 
 
+@pytest.mark.parametrize("case", COPY_CASES)
+def test_zero_unrouted_rows_zeroes_exactly_the_rows_past_the_bound(case):
+    num_rows, width, dtype, experts, routed = COPY_CASES[case]
+    rows = random_rows(num_rows, width, dtype, seed=num_rows + 1)
+    rows.view(torch.uint8)[:, 0] |= 1  # no row starts as zeros
+    before = rows.clone()
+    bound = min(routed, num_rows)
+    ops.zero_unrouted_rows(rows, routed_offsets(experts, routed, seed=width).cuda())
+    got = rows.view(torch.uint8)
+    assert torch.equal(got[:bound], before.view(torch.uint8)[:bound])
+    assert not got[bound:].any()
+
+
+def test_zero_unrouted_rows_graph_replay_follows_the_offsets():
+    num_rows, width, experts = 9000, 2048, 128
+    rows = random_rows(num_rows, width, torch.bfloat16, seed=5)
+    offsets = routed_offsets(experts, 4000, seed=5).cuda()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.zero_unrouted_rows(rows, offsets)
+    for seed, routed in enumerate([0, 8999, 9000, 17, 4000]):
+        source = random_rows(num_rows, width, torch.bfloat16, seed=seed + 6)
+        source.view(torch.uint8)[:, 0] |= 1
+        rows.copy_(source)
+        offsets.copy_(routed_offsets(experts, routed, seed=seed + 6))
+        graph.replay()
+        assert torch.equal(rows[:routed].view(torch.int16), source[:routed].view(torch.int16)), routed
+        assert not rows[routed:].view(torch.int16).any(), routed
+
+
 def test_copy_routed_rows_graph_replay_equals_eager():
     num_rows, width, experts = 9000, 2048, 128
     rows = random_rows(num_rows, width, torch.bfloat16, seed=1)
