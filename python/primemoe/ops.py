@@ -32,7 +32,7 @@ memory.
 ``fc1_out`` is ``[rows, 2I]`` in the expert-major row order of
 ``dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)``: experts in order, each expert's
 slots in slot order, each expert's range padded with zero rows to a multiple of
-``ROW_ALIGN`` (the GEMM tile height), rows past the padded total unused.
+``ROW_ALIGN`` (the GEMM tile height), rows past the padded total unused (zeros).
 """
 
 from __future__ import annotations
