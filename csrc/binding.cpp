@@ -220,7 +220,8 @@ LayoutResult dispatch_layout_cpu(const at::Tensor& topk_idx, int64_t num_experts
 }
 
 void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
-                       const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row) {
+                       const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row,
+                       const std::optional<at::Tensor>& offsets) {
   check_rows(src, "src");
   check_index(row_to_slot, "row_to_slot", 1);
   PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
@@ -234,13 +235,20 @@ void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int
                    "slot_to_row: expected shape [", src.size(0), ", ", top_k, "], got ", slot_to_row->sizes());
     check_same_device(*slot_to_row, row_to_slot, "slot_to_row");
   }
+  if (offsets.has_value()) {
+    check_index(*offsets, "expert_offsets", 1);
+    PRIMEMOE_CHECK(offsets->numel() >= 1, "expert_offsets: expected at least one entry");
+    check_same_device(*offsets, row_to_slot, "expert_offsets");
+  }
 }
 
 // The kernel walks tokens, so it needs slot_to_row: the caller's (dispatch_layout made both maps),
-// else the inverse of row_to_slot, computed on the device.
+// else the inverse of row_to_slot, computed on the device. With expert_offsets the rows at or past
+// expert_offsets[-1] are left unwritten (undefined), for callers that read only the routed rows.
 at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
-                            const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row) {
-  check_gather_args(src, row_to_slot, top_k, scale, slot_to_row);
+                            const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row,
+                            const std::optional<at::Tensor>& offsets) {
+  check_gather_args(src, row_to_slot, top_k, scale, slot_to_row, offsets);
   const c10::cuda::CUDAGuard guard(src.device());
   auto dst = at::empty({row_to_slot.size(0), src.size(1)}, src.options());
   GatherRowsArgs a{};
@@ -249,6 +257,7 @@ at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot
   a.scale_type = scale_type_of(scale, "scale");
   a.scale = scale.has_value() ? scale->data_ptr() : nullptr;
   a.dst = dst.data_ptr();
+  a.row_end = offsets.has_value() ? offsets->data_ptr<int32_t>() + (offsets->numel() - 1) : nullptr;
   a.num_rows = row_to_slot.size(0);
   a.num_tokens = src.size(0);
   a.hidden = static_cast<int32_t>(src.size(1));
@@ -265,10 +274,12 @@ at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot
   return dst;
 }
 
-// slot_to_row is not needed here: the rows are taken in row order.
+// slot_to_row is not needed here: the rows are taken in row order. Rows past expert_offsets[-1] are written
+// either way (zeros are one of the undefined values).
 at::Tensor gather_rows_cpu(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
-                           const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row) {
-  check_gather_args(src, row_to_slot, top_k, scale, slot_to_row);
+                           const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row,
+                           const std::optional<at::Tensor>& offsets) {
+  check_gather_args(src, row_to_slot, top_k, scale, slot_to_row, offsets);
   const int64_t slots = src.size(0) * top_k;
   if (slots == 0) return at::zeros({row_to_slot.size(0), src.size(1)}, src.options());
   // A slot outside [0, T * K) gives a zero row, as on the GPU.
@@ -906,7 +917,7 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cpu(const at::Tensor& x, co
                                                          int64_t top_k, const at::Tensor& w1,
                                                          const at::Tensor& offsets, bool keep_fc1) {
   check_fc1_gather_args(x, row_to_slot, top_k, w1, offsets);
-  return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt, std::nullopt), w1, offsets, keep_fc1,
+  return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt, std::nullopt, std::nullopt), w1, offsets, keep_fc1,
                         std::nullopt, std::nullopt, 1, 0, true);
 }
 
@@ -1034,7 +1045,9 @@ TORCH_LIBRARY(primemoe, m) {
   m.def(
       "dispatch_layout(Tensor topk_idx, int num_experts, int expert_begin, int num_local_experts, int row_align) "
       "-> (Tensor expert_counts, Tensor expert_offsets, Tensor slot_to_row, Tensor row_to_slot)");
-  m.def("gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale, Tensor? slot_to_row=None) -> Tensor");
+  m.def(
+      "gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale, Tensor? slot_to_row=None, "
+      "Tensor? expert_offsets=None) -> Tensor");
   m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
   // out[i] = values[index[i]] in fp32, 0 where index[i] is not an index of values.

@@ -4,7 +4,7 @@ between calls would time a faster clock). Variants alternate phase by phase with
 rounds, so drift in the power-capped clock falls on all of them alike.
 Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
            --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
-Prints and writes, per shape, tokens, stage (gather, fc1, fc1_no_h, gather_fc1, fc1_gathered, fc2, forward,
+Prints and writes, per shape, tokens, stage (gather, gather_routed, fc1, fc1_no_h, gather_fc1, fc1_gathered, fc2, forward,
 forward_gathered, forward_zeroing, backward, backward_zeroing) and variant, the median ms of each round."""
 import argparse
 import os
@@ -60,6 +60,7 @@ def time_shape(shape, T, a, overridden, results):
     _, fc1_out = lib.moe_forward(x, idx, w, w1, w2, "bf16", True)
     stages = {
         "gather": lambda: lib.gather_rows(x, r2s, K, None, s2r),
+        "gather_routed": lambda: lib.gather_rows(x, r2s, K, None, s2r, off),
         "fc1": lambda: lib.fc1_swiglu(xs, w1, off, True),
         "fc1_no_h": lambda: lib.fc1_swiglu(xs, w1, off, False),
         "gather_fc1": lambda: lib.fc1_swiglu(lib.gather_rows(x, r2s, K, None, s2r), w1, off, True),
@@ -93,7 +94,7 @@ def main():
                    help="name=VAR=value[,VAR=value...] (name= alone: no overrides)")
     add_timing_arguments(p, secs=1.0)
     p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
-                   help="of gather, fc1, fc1_no_h (h not kept), gather_fc1 (the two in a row), fc1_gathered "
+                   help="of gather, gather_routed (the routed rows only), fc1, fc1_no_h (h not kept), gather_fc1 (the two in a row), fc1_gathered "
                         "(fc1_swiglu_gather), fc2, forward, forward_gathered, forward_zeroing and backward_zeroing "
                         "(the GEMMs zero the rows past the routed ones), backward")
     a = p.parse_args()

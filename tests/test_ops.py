@@ -66,6 +66,13 @@ def test_opcheck_gather_rows(problem, scale_dtype, with_slot_to_row):
     torch.library.opcheck(ops.gather_rows, args)
 
 
+def test_opcheck_gather_rows_with_expert_offsets(problem):
+    _, offsets, slot_to_row, row_to_slot = layout(problem.topk_idx, row_align=4)
+    torch.library.opcheck(ops.gather_rows, (problem.x, row_to_slot, K, None, slot_to_row, offsets))
+    got = ops.gather_rows(problem.x, row_to_slot, K, None, slot_to_row, offsets)
+    assert torch.equal(got, ops.gather_rows(problem.x, row_to_slot, K, None, slot_to_row))
+
+
 @pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
 def test_opcheck_combine_reduce(problem, weight_dtype):
     slot_to_row = layout(problem.topk_idx)[2]
@@ -340,6 +347,8 @@ CPP_ERRORS = {
     "copy_offsets_int64": ("", "ops.copy_routed_rows(rows, offsets.long())", "expert_offsets: expected int32"),
     "copy_offsets_2d": ("", "ops.copy_routed_rows(rows, offsets.view(1, 3))", "expert_offsets: expected a 1-D"),
     "copy_offsets_empty": ("", "ops.copy_routed_rows(rows, offsets[:0])", "expert_offsets: expected at least one"),
+    "gather_offsets_int64": ("", "ops.gather_rows(x, row_to_slot, 2, None, slot_to_row, offsets.long())",
+                             "expert_offsets: expected int32"),
     "zero_rows_strided": ("", "ops.zero_unrouted_rows(rows.t(), offsets)", "rows: expected a contiguous tensor"),
     "zero_offsets_int64": ("", "ops.zero_unrouted_rows(rows, offsets.long())", "expert_offsets: expected int32"),
 }

@@ -110,11 +110,12 @@ __global__ void __launch_bounds__(kWarpThreads, kScaled ? 2 : 4) gather_rows_ker
   // The rows the token pass did not write: those without a slot (zeros), and any that name a slot another
   // row holds (a copy of their own). Lane l checks row r0 + l, so a warp pays one latency per 32 rows.
   const int64_t slots = a.num_tokens * K;
-  for (int64_t r0 = global_warp() * 32; r0 < a.num_rows; r0 += grid_warps() * 32) {
+  const int64_t rows = a.row_end == nullptr ? a.num_rows : max(int64_t(0), min(int64_t(*a.row_end), a.num_rows));
+  for (int64_t r0 = global_warp() * 32; r0 < rows; r0 += grid_warps() * 32) {
     const int64_t r = r0 + lane;
     int32_t slot = -1;
     bool left = false;
-    if (r < a.num_rows) {
+    if (r < rows) {
       slot = a.row_to_slot[r];
       if (slot >= slots) slot = -1;
       left = slot < 0 || slot_to_row[slot] != r;

@@ -12,7 +12,8 @@ namespace primemoe {
 
 enum class ScaleType : int32_t { kNone = 0, kFloat32 = 1, kBFloat16 = 2 };
 
-// dst[r] = src[row_to_slot[r] / K] * scale[row_to_slot[r]]; rows with slot -1 (or >= T*K) become 0.
+// dst[r] = src[row_to_slot[r] / K] * scale[row_to_slot[r]]; rows with slot -1 (or >= T*K) become 0, except
+// that with row_end, rows at or past *row_end (read on the device, clamped to [0, num_rows]) are left unwritten.
 struct GatherRowsArgs {
   const void* src;  // [T, H] bf16
   const int32_t* row_to_slot;
@@ -20,6 +21,7 @@ struct GatherRowsArgs {
   const void* scale;  // [T*K] per-slot factor or null
   ScaleType scale_type;
   void* dst;  // [num_rows, H] bf16
+  const int32_t* row_end;  // null, or the layout's routed row count (expert_offsets[E]) for readers of only those
   int64_t num_rows;
   int64_t num_tokens;  // T: src's rows
   int32_t hidden;

@@ -80,7 +80,7 @@ def _dispatch_layout_fake(topk_idx, num_experts, expert_begin, num_local_experts
 
 
 @torch.library.register_fake("primemoe::gather_rows")
-def _gather_rows_fake(src, row_to_slot, top_k, scale, slot_to_row=None):
+def _gather_rows_fake(src, row_to_slot, top_k, scale, slot_to_row=None, expert_offsets=None):
     return src.new_empty(row_to_slot.shape[0], src.shape[1])
 
 
@@ -267,9 +267,10 @@ def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine, ro
     _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, row_align)
     if T * K == 0:
         return x.new_zeros(T, H), x.new_zeros(row_to_slot.numel() if keep_fc1 else 0, two_i)
+    routed_end = None if zero_unrouted else offsets  # the gather leaves the rows past the routed ones too
     # Not fc1_swiglu_gather: on the H200 the separate gather + TMA loads are faster (benchmarks/RESULTS.md).
-    a, h = expert_fc1(lib.gather_rows(x, row_to_slot, K, None, slot_to_row), w1, offsets, keep_fc1, engine,
-                      zero_unrouted=zero_unrouted)
+    xs = lib.gather_rows(x, row_to_slot, K, None, slot_to_row, routed_end)
+    a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, zero_unrouted=zero_unrouted)
     if keep_fc1 and not zero_unrouted:
         lib.zero_unrouted_rows(h, offsets)  # fc1_out goes to the caller: no row of it is left undefined
     o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine, zero_unrouted=zero_unrouted)
@@ -289,9 +290,10 @@ def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine
         return (torch.zeros_like(x), torch.zeros(T, K, dtype=torch.float32, device=x.device),
                 torch.zeros_like(w1), torch.zeros_like(w2))
     # The layout and the gathered rows are rebuilt, not kept from the forward: xs is K times x.
-    xs = lib.gather_rows(x, row_to_slot, K, None, slot_to_row)
+    routed_end = None if zero_unrouted else offsets
+    xs = lib.gather_rows(x, row_to_slot, K, None, slot_to_row, routed_end)
     h = fc1_out if fc1_out is not None and fc1_out.numel() else None
-    dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None, slot_to_row)
+    dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None, slot_to_row, routed_end)
     row_weight = row_weights(topk_weights, row_to_slot)
     dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
                                               zero_unrouted)

@@ -160,6 +160,25 @@ def test_gather_rows_edges_on_poisoned_memory(case):
     assert torch.equal(ops.gather_rows(x, row_to_slot, top_k, None, slot_to_row).cpu(), want)
 
 
+@pytest.mark.parametrize("scale_dtype", [None, torch.float32])
+@pytest.mark.parametrize("case", GATHER_EDGES)
+def test_gather_rows_with_expert_offsets_writes_the_routed_rows_alone(case, scale_dtype):
+    """The rows below expert_offsets[-1] (padding rows inside the experts included) as without the offsets; the
+    rows past it (the layout's worst-case allocation) are left as the poisoned memory held them."""
+    tokens, top_k, hidden = GATHER_EDGES[case]
+    x, weights, slot_to_row, row_to_slot = rows_problem(tokens, top_k, hidden, seed=7)
+    scale = None if scale_dtype is None else weights.to(scale_dtype).cuda()
+    offsets = ops.dispatch_layout(layout_ids(tokens, top_k, 16, "random", 7), 16, 0, 16, 128)[1].cuda()
+    x, row_to_slot, slot_to_row = x.cuda(), row_to_slot.cuda(), slot_to_row.cuda()
+    want = ops.gather_rows(x, row_to_slot, top_k, scale, slot_to_row)
+    routed = int(offsets[-1])
+    assert 0 < routed < row_to_slot.numel()
+    poison_caching_allocator()
+    got = ops.gather_rows(x, row_to_slot, top_k, scale, slot_to_row, offsets)
+    assert torch.equal(got[:routed], want[:routed])
+    assert got[routed:].isnan().all(), "a row past the routed ones was written"
+
+
 def test_misaligned_rows_are_refused():
     """A contiguous view at an element offset that is not a multiple of 8 would fault in the 16-byte row copies
     and TMA loads: the ops and the layer refuse it by name."""
