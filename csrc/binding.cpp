@@ -917,8 +917,8 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_gather_cpu(const at::Tensor& x, co
                                                          int64_t top_k, const at::Tensor& w1,
                                                          const at::Tensor& offsets, bool keep_fc1) {
   check_fc1_gather_args(x, row_to_slot, top_k, w1, offsets);
-  return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt, std::nullopt, std::nullopt), w1, offsets, keep_fc1,
-                        std::nullopt, std::nullopt, 1, 0, true);
+  return fc1_swiglu_cpu(gather_rows_cpu(x, row_to_slot, top_k, std::nullopt, std::nullopt, std::nullopt), w1, offsets,
+                        keep_fc1, std::nullopt, std::nullopt, 1, 0, true);
 }
 
 void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const at::Tensor& h,

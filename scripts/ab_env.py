@@ -4,8 +4,8 @@ between calls would time a faster clock). Variants alternate phase by phase with
 rounds, so drift in the power-capped clock falls on all of them alike.
 Usage: python scripts/ab_env.py --variant claimed=PRIMEMOE_GEMM_TILE_ORDER=claimed \
            --variant pairs=PRIMEMOE_GEMM_PAIRS=1,PRIMEMOE_GEMM_TILE_ORDER=claimed [--shapes ...] [--out f.json]
-Prints and writes, per shape, tokens, stage (gather, gather_routed, fc1, fc1_no_h, gather_fc1, fc1_gathered, fc2, forward,
-forward_gathered, forward_zeroing, backward, backward_zeroing) and variant, the median ms of each round."""
+Prints and writes, per shape, tokens, stage (gather, gather_routed, fc1, fc1_no_h, gather_fc1, fc1_gathered, fc2,
+forward, forward_gathered, forward_zeroing, backward, backward_zeroing) and variant, the median ms of each round."""
 import argparse
 import os
 import statistics
@@ -94,8 +94,8 @@ def main():
                    help="name=VAR=value[,VAR=value...] (name= alone: no overrides)")
     add_timing_arguments(p, secs=1.0)
     p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
-                   help="of gather, gather_routed (the routed rows only), fc1, fc1_no_h (h not kept), gather_fc1 (the two in a row), fc1_gathered "
-                        "(fc1_swiglu_gather), fc2, forward, forward_gathered, forward_zeroing and backward_zeroing "
+                   help="of gather, gather_routed (the routed rows only), fc1, fc1_no_h (h not kept), gather_fc1 "
+                        "(the two in a row), fc1_gathered (fc1_swiglu_gather), fc2, forward, forward_gathered, forward_zeroing and backward_zeroing "
                         "(the GEMMs zero the rows past the routed ones), backward")
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}
