@@ -95,8 +95,8 @@ def main():
     add_timing_arguments(p, secs=1.0)
     p.add_argument("--stages", nargs="+", default=["fc1", "fc2", "forward", "backward"],
                    help="of gather, gather_routed (the routed rows only), fc1, fc1_no_h (h not kept), gather_fc1 "
-                        "(the two in a row), fc1_gathered (fc1_swiglu_gather), fc2, forward, forward_gathered, forward_zeroing and backward_zeroing "
-                        "(the GEMMs zero the rows past the routed ones), backward")
+                        "(the two in a row), fc1_gathered (fc1_swiglu_gather), fc2, forward, forward_gathered, "
+                        "forward_zeroing and backward_zeroing (the GEMMs zero the rows past the routed ones), backward")
     a = p.parse_args()
     overridden = {k for _, env in a.variant for k in env}
     time_shapes(a, lambda shape, T, results: time_shape(shape, T, a, overridden, results), "ms",
