@@ -398,7 +398,7 @@ at::Tensor gather_scalars_cpu(const at::Tensor& values, const at::Tensor& index)
 // copy_routed_rows: a new tensor whose rows [0, expert_offsets[-1]) are those of `rows`; rows past
 // that bound are undefined (the GPU does not write them). The bound is read on the
 // device, so the copy needs no host sync and moves only the routed rows of a worst-case-sized region.
-void check_copy_routed_rows_args(const at::Tensor& rows, const at::Tensor& offsets) {
+void check_routed_rows_args(const at::Tensor& rows, const at::Tensor& offsets) {
   PRIMEMOE_CHECK(rows.dim() == 2, "rows: expected a 2-D tensor [rows, width], got ", rows.sizes());
   PRIMEMOE_CHECK(rows.is_contiguous(), "rows: expected a contiguous tensor");
   const int64_t row_bytes = rows.size(1) * rows.element_size();
@@ -409,7 +409,7 @@ void check_copy_routed_rows_args(const at::Tensor& rows, const at::Tensor& offse
 }
 
 at::Tensor copy_routed_rows_cuda(const at::Tensor& rows, const at::Tensor& offsets) {
-  check_copy_routed_rows_args(rows, offsets);
+  check_routed_rows_args(rows, offsets);
   PRIMEMOE_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "rows: expected 16-byte aligned data");
   const c10::cuda::CUDAGuard guard(rows.device());
   auto out = at::empty_like(rows);
@@ -426,7 +426,7 @@ at::Tensor copy_routed_rows_cuda(const at::Tensor& rows, const at::Tensor& offse
 
 // Copies every row: whatever a consumer reads past the bound stays what the source held there.
 at::Tensor copy_routed_rows_cpu(const at::Tensor& rows, const at::Tensor& offsets) {
-  check_copy_routed_rows_args(rows, offsets);
+  check_routed_rows_args(rows, offsets);
   return rows.clone();
 }
 
@@ -434,7 +434,7 @@ at::Tensor copy_routed_rows_cpu(const at::Tensor& rows, const at::Tensor& offset
 // (no host sync): a GEMM run with zero_unrouted=False leaves those rows undefined, and a caller that hands such a
 // tensor on (the layer's fc1_out) zeroes them in one pass over the unrouted rows only.
 void zero_unrouted_rows_cuda(at::Tensor& rows, const at::Tensor& offsets) {
-  check_copy_routed_rows_args(rows, offsets);
+  check_routed_rows_args(rows, offsets);
   PRIMEMOE_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "rows: expected 16-byte aligned data");
   const c10::cuda::CUDAGuard guard(rows.device());
   ZeroUnroutedRowsArgs a{};
@@ -447,7 +447,7 @@ void zero_unrouted_rows_cuda(at::Tensor& rows, const at::Tensor& offsets) {
 }
 
 void zero_unrouted_rows_cpu(at::Tensor& rows, const at::Tensor& offsets) {
-  check_copy_routed_rows_args(rows, offsets);
+  check_routed_rows_args(rows, offsets);
   const int64_t bound = std::clamp<int64_t>(offsets[-1].item<int32_t>(), 0, rows.size(0));
   rows.slice(0, bound).zero_();
 }

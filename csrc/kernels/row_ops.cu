@@ -47,6 +47,11 @@ constexpr int kWarps = kWarpThreads / 32;
 constexpr int kGatherUnroll = 8;   // 16-byte vectors per lane loaded before a token's stores
 constexpr int kSlotsInFlight = 8;  // rows per token loaded before they are summed
 
+// The routed row count *end (a layout's expert_offsets[E], read on the device) clamped to [0, num_rows].
+__device__ __forceinline__ int64_t routed_rows(const int32_t* end, int64_t num_rows) {
+  return max(int64_t(0), min(int64_t(*end), num_rows));
+}
+
 __device__ __forceinline__ int64_t global_warp() { return int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; }
 __device__ __forceinline__ int64_t grid_warps() { return int64_t(gridDim.x) * kWarps; }
 
@@ -110,7 +115,7 @@ __global__ void __launch_bounds__(kWarpThreads, kScaled ? 2 : 4) gather_rows_ker
   // The rows the token pass did not write: those without a slot (zeros), and any that name a slot another
   // row holds (a copy of their own). Lane l checks row r0 + l, so a warp pays one latency per 32 rows.
   const int64_t slots = a.num_tokens * K;
-  const int64_t rows = a.row_end == nullptr ? a.num_rows : max(int64_t(0), min(int64_t(*a.row_end), a.num_rows));
+  const int64_t rows = a.row_end == nullptr ? a.num_rows : routed_rows(a.row_end, a.num_rows);
   for (int64_t r0 = global_warp() * 32; r0 < rows; r0 += grid_warps() * 32) {
     const int64_t r = r0 + lane;
     int32_t slot = -1;
@@ -208,8 +213,7 @@ constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread
 
 __global__ void __launch_bounds__(kCopyThreads) copy_routed_rows_kernel(CopyRoutedRowsArgs a) {
-  const int64_t bound = a.expert_offsets[a.num_experts];
-  const int64_t routed = bound < 0 ? 0 : (bound > a.num_rows ? a.num_rows : bound);
+  const int64_t routed = routed_rows(a.expert_offsets + a.num_experts, a.num_rows);
   const int64_t vecs = routed * (a.row_bytes / 16);
   const uint4* __restrict__ src = static_cast<const uint4*>(a.src);
   uint4* __restrict__ dst = static_cast<uint4*>(a.dst);
@@ -226,8 +230,7 @@ __global__ void __launch_bounds__(kCopyThreads) copy_routed_rows_kernel(CopyRout
 }
 
 __global__ void __launch_bounds__(kCopyThreads) zero_unrouted_rows_kernel(ZeroUnroutedRowsArgs a) {
-  const int64_t bound = a.expert_offsets[a.num_experts];
-  const int64_t first = bound < 0 ? 0 : (bound > a.num_rows ? a.num_rows : bound);
+  const int64_t first = routed_rows(a.expert_offsets + a.num_experts, a.num_rows);
   const int64_t per_row = a.row_bytes / 16;
   const int64_t vecs = (a.num_rows - first) * per_row;
   uint4* __restrict__ dst = static_cast<uint4*>(a.rows) + first * per_row;
