@@ -68,10 +68,10 @@ def time_shape(shape, T, a, overridden, results):
         "fc2": lambda: lib.expert_gemm(act, w2, off, False, rw),
         "forward": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN),
         "forward_gathered": lambda: forward_gathered(x, idx, w, w1, w2, K),
-        "forward_zeroing": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, ops.ROW_ALIGN, True),
+        "forward_zeroing": lambda: ops.moe_forward_composed(x, idx, w, w1, w2, True, True, zero_unrouted=True),
         "backward": lambda: lib.moe_backward(dy, x, idx, w, w1, w2, fc1_out, "bf16"),
-        "backward_zeroing": lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, fc1_out, True, ops.ROW_ALIGN,
-                                                              True),
+        "backward_zeroing": lambda: ops.moe_backward_composed(dy, x, idx, w, w1, w2, fc1_out, True,
+                                                              zero_unrouted=True),
     }
     # Rounds outermost: stages alternate too, so two stages that are two compositions compare like variants.
     for _ in range(a.rounds):
