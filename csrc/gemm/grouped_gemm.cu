@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "grouped_gemm_launch.cuh"
+#include "instantiations/variants.cuh"  // every built (variant, config)
 
 namespace primemoe {
 namespace {
@@ -51,8 +52,6 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 uint64_t weight_rows(const GroupedGemmArgs& a) {
   return a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
 }
-
-std::atomic<int64_t> paired_launches[kMaxDevices];
 
 // major * 10 + minor, asked once per device (every GEMM launch checks it).
 int compute_capability(int device) {
@@ -102,21 +101,8 @@ int64_t max_output_tiles(const GroupedGemmArgs& a) {
 
 }  // namespace
 
-int64_t paired_gemm_launches(int device) {
-  return device >= 0 && device < kMaxDevices ? paired_launches[device].load(std::memory_order_relaxed) : 0;
-}
-
-void count_paired_gemm_launch(int device) {
-  if (device >= 0 && device < kMaxDevices) paired_launches[device].fetch_add(1, std::memory_order_relaxed);
-}
-
 bool grouped_gemm_supported(const GroupedGemmArgs& a, int device, const char** why) {
   if (!shape_supported(a.schedule, a.epilogue, a.m, a.n, a.k, device, why)) return false;
-  const bool fc1 = a.schedule == GemmSchedule::kRows && a.epilogue == GemmEpilogue::kSwiGLU && a.b_k_major;
-  if (a.a_row_src != nullptr && (!fc1 || a.a_src_div < 1 || a.hook.counters != nullptr)) {
-    if (why != nullptr) *why = "only FC1 gathers its A rows, with a positive row divisor and no rows-ready hook";
-    return false;
-  }
   if (max_output_tiles(a) >= (int64_t(1) << 31)) {  // the kernels count tiles in 32 bits in places
     if (why != nullptr) *why = "more than 2^31 output tiles";
     return false;
@@ -144,78 +130,50 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 
 namespace {
 
-// Half tiles split along K finish in about half a tile's time, so CTAs that take every grid-th tile
-// drift apart and work on more experts at once. While an expert's weights are small that costs nothing
-// (Qwen3-30B's 3-6 MB: split FC2 -1.9..-3.2%, FC1 dgrad -1.7..-1.9% against unsplit), but at 25 MB the
-// split lost with the static order (Qwen3-235B's FC1 +3.7%, FC1 dgrad +18.6% at T = 8192), likely
-// because L2 (50 MB) holds the weights of fewer experts than the drifting CTAs touch. Claiming tiles
-// from a counter keeps the CTAs together. Measured on the H200, interleaved, bitwise equal outputs
-// (benchmarks/RESULTS.md, eleventh session), claimed order with the split against the static order:
-// Qwen3-235B's FC1, FC2 and FC1 dgrad (12.6 and 25 MB weights) -1.1..-9.0% in five of six cases at
-// T = 8192 and 16384 (FC1 at 16384 +0.4%), its layer -1.3..-1.6% forward; Qwen3-30B's (3.1 and 6.3 MB)
-// mixed, -2.4..+1.4%, so small weights keep the static order, which needs no counter.
+// Where the claimed order pays: experts' weights above 8 MiB, and more tiles than CTAs (with at most one tile per
+// CTA the order cannot matter, so no counter is zeroed).
 constexpr uint64_t kClaimTilesAboveWeightBytes = uint64_t(8) << 20;
 
-// Where the claimed order pays: experts' weights above kClaimTilesAboveWeightBytes, and more tiles than CTAs (with at
-// most one tile per CTA, small batches, the order cannot matter, so no counter is zeroed).
 bool claimed_order_pays(const GroupedGemmArgs& a) {
   return weight_rows(a) * uint64_t(a.k) * 2 > kClaimTilesAboveWeightBytes && max_output_tiles(a) > a.num_sms;
 }
 
 }  // namespace
 
-bool gemm_merge_pays(const GroupedGemmArgs& a) { return a.hook.counters == nullptr && claimed_order_pays(a); }
-
-bool gemm_pairs_pay(const GroupedGemmArgs& a) {
-  return a.epilogue == GemmEpilogue::kSwiGLU && a.hook.counters == nullptr && claimed_order_pays(a);
-}
-
-GemmConfig choose_gemm_config(const GroupedGemmArgs& a, TileOrder order, PairRows pairs, Fc1Activation activation,
-                              MergeTails merge, MergedActivation merged_activation) {
+GemmConfig choose_gemm_config(const GroupedGemmArgs& a) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
-  config.split_half_tiles = true;
-  config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue) &&
-                       (order == TileOrder::kClaimed || (order == TileOrder::kAuto && claimed_order_pays(a)));
-  config.activation_warps = gemm_activation_warps(a.schedule, a.epilogue) && activation != Fc1Activation::kConsumers;
-  config.activation_helper_rows =
-      config.activation_warps && activation == Fc1Activation::kWarps ? kActivationHelperRows : 0;
-  // Pairs forced on win over merged tails: a pair's two CTAs take row blocks of one height.
-  config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major, a.a_row_src != nullptr) &&
-                       (a.epilogue != GemmEpilogue::kSwiGLU || config.activation_warps) && pairs != PairRows::kOn &&
-                       (merge == MergeTails::kOn || (merge == MergeTails::kAuto && gemm_merge_pays(a)));
-  config.merged_activation = merged_activation;
-  config.pair_rows = gemm_pairs_rows(a.schedule, a.b_k_major) && !config.merge_tails &&
-                     (pairs == PairRows::kOn || (pairs == PairRows::kAuto && gemm_pairs_pay(a)));
+  const bool claimed = claimed_order_pays(a);
+  config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue) && claimed;
+  config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major) && claimed && a.hook.counters == nullptr;
   return config;
+}
+
+
+bool gemm_config_built(const GroupedGemmArgs& a, const GemmConfig& config) {
+#define PRIMEMOE_BUILT(S, E, BK, CLAIM, MERGE)                                                           \
+  if (a.schedule == GemmSchedule::S && a.epilogue == GemmEpilogue::E && a.b_k_major == BK &&            \
+      config.claim_tiles == CLAIM && config.merge_tails == MERGE) {                                     \
+    return true;                                                                                         \
+  }
+  PRIMEMOE_GEMM_VARIANT_LIST(PRIMEMOE_BUILT)
+#undef PRIMEMOE_BUILT
+  return false;
 }
 
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& config, cudaStream_t stream) {
   using namespace sm90;
   if (config.claim_tiles && a.tile_counter == nullptr) return cudaErrorInvalidValue;
+  if (!gemm_config_built(a, config)) return cudaErrorNotSupported;
   GemmParams params{};
   params.args = a;
-  params.split_half_tiles = config.split_half_tiles;
-  params.claim_tiles = config.claim_tiles;
-  params.pair_rows = config.pair_rows;
-  params.activation_warps = config.activation_warps;
-  params.activation_helper_rows = config.activation_helper_rows;
-  params.merge_tails = config.merge_tails;
-  params.merged_activation = config.merged_activation;
   const uint64_t rows = uint64_t(a.num_rows);
   const uint64_t experts = uint64_t(a.num_experts);
   cudaError_t err;
   if (a.schedule == GemmSchedule::kRows) {
     const uint64_t b_rows = weight_rows(a);
-    // A gathered A operand is copied by the producer's threads, not by TMA.
-    if (a.a_row_src == nullptr) {
-      err = make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
-      if (err == cudaSuccess && (params.split_half_tiles || params.merge_tails)) {
-        err = make_map(&params.tma_a_half, a.a, a.k, rows, 1, 64);
-      }
-    } else {
-      err = cudaSuccess;
-    }
+    err = make_map(&params.tma_a, a.a, a.k, rows, 1, 128);
+    if (err == cudaSuccess) err = make_map(&params.tma_a_half, a.a, a.k, rows, 1, 64);
     if (err == cudaSuccess) {
       err = a.b_k_major ? make_map(&params.tma_b, a.b, a.k, b_rows, experts, 128)
                         : make_map(&params.tma_b, a.b, b_rows, a.k, experts, 64);
@@ -233,33 +191,13 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, 64);
   if (err != cudaSuccess) return err;
   const int grid = a.num_sms > 0 ? a.num_sms : 1;
-  if (a.a_row_src != nullptr) {
-    return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, true>(params, grid, stream);
+#define PRIMEMOE_LAUNCH(S, E, BK, CLAIM, MERGE)                                                          \
+  if (a.schedule == GemmSchedule::S && a.epilogue == GemmEpilogue::E && a.b_k_major == BK &&            \
+      config.claim_tiles == CLAIM && config.merge_tails == MERGE) {                                     \
+    return launch<GemmSchedule::S, GemmEpilogue::E, BK, CLAIM, MERGE>(params, grid, stream);           \
   }
-  switch (a.schedule) {
-    case GemmSchedule::kRows:
-      switch (a.epilogue) {
-        case GemmEpilogue::kSwiGLU:
-          if (a.b_k_major) {
-            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLU, true, false>(params, grid, stream);
-          }
-          break;
-        case GemmEpilogue::kStore:
-          return a.b_k_major ? launch<GemmSchedule::kRows, GemmEpilogue::kStore, true, false>(params, grid, stream)
-                             : launch<GemmSchedule::kRows, GemmEpilogue::kStore, false, false>(params, grid, stream);
-        case GemmEpilogue::kSwiGLUBackward:
-          if (!a.b_k_major) {
-            return launch<GemmSchedule::kRows, GemmEpilogue::kSwiGLUBackward, false, false>(params, grid, stream);
-          }
-          break;
-      }
-      break;
-    case GemmSchedule::kExperts:
-      if (a.epilogue == GemmEpilogue::kStore && !a.b_k_major) {
-        return launch<GemmSchedule::kExperts, GemmEpilogue::kStore, false, false>(params, grid, stream);
-      }
-      break;
-  }
+  PRIMEMOE_GEMM_VARIANT_LIST(PRIMEMOE_LAUNCH)
+#undef PRIMEMOE_LAUNCH
   return cudaErrorNotSupported;
 }
 

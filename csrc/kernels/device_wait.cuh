@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "error_record.cuh"
+#include "ptx.cuh"
 
 namespace primemoe {
 
@@ -12,18 +13,6 @@ namespace primemoe {
 enum WaitPhase : int64_t { kWaitCounts = 0, kWaitArrivals = 1, kWaitCombine = 2, kWaitGemmRows = 3, kWaitPhases = 4 };
 
 #ifdef __CUDACC__
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Spins until *flag >= target. Returns false after recording a timeout.
 __device__ __forceinline__ bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t timeout_ns,
                                               ErrorRecord* error, int32_t me, int32_t awaited_rank, int64_t what,
