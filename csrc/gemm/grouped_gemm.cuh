@@ -88,8 +88,9 @@ struct GroupedGemmArgs {
   int32_t num_sms;
 };
 
-// The host heuristics' choices for one launch (choose_gemm_config); kernel template parameters (GemmConfig is part
-// of the variant, see csrc/gemm/instantiations/variants.cuh). Every config gives the same bits.
+// The host heuristics' choices for one launch (choose_gemm_config), kernel template parameters (the built kernels:
+// csrc/gemm/instantiations/variants.cuh). Both tile orders give the same bits; 192-row tiles sum their tail rows in
+// another order than half tiles do. The choice depends on the problem alone, so every result is deterministic.
 struct GemmConfig {
   // kRows: CTAs claim tiles from GroupedGemmArgs::tile_counter instead of taking every grid-th: the CTAs stay near
   // each other in the sequence, so the experts they touch at once fit L2 when an expert's weights are large.

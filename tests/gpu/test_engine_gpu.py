@@ -2,6 +2,7 @@
 the reference shapes' sizes and on awkward expert row counts (empty experts, single rows,
 exact tile multiples, one expert with most rows), with poisoned output memory."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from engine_cases import engine_operands, gather_operands
+from engine_cases import engine_operands
 from helpers import REFERENCE_SHAPES, poison_caching_allocator
 
 import primemoe
@@ -83,116 +84,73 @@ def test_half_tiles_with_odd_k_slices(k):
     assert_rows_close("weighted", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
 
 
-def assert_same_bits_under_env(monkeypatch, variable, reference, other, ops_under_test, what):
-    """Each op run with `variable` set to `reference`, then to `other` (poisoned outputs each time): bitwise equal,
-    and the reference run wrote every output element."""
+# GemmConfig (claim_tiles, merge_tails) as the tests force it; the heuristics' choice otherwise.
+STATIC, CLAIMED, MERGED = (0, 0), (1, 0), (1, 1)
+CONFIGS = {"static": STATIC, "claimed": CLAIMED, "merged": MERGED}
+
+
+@contextlib.contextmanager
+def forced_config(config):
+    """The next GEMM launches of this thread run `config` (the test-only op); the heuristics decide again after."""
+    ops._gemm_force_config(*config)
+    try:
+        yield
+    finally:
+        ops._gemm_force_config(-1, -1)
+
+
+def assert_same_bits(configs, ops_under_test, what):
+    """Each op run under each config (poisoned outputs each time): bitwise equal to the first config's, which wrote
+    every output element."""
     for name, run in ops_under_test.items():
-        results = {}
-        for value in (reference, other):
-            monkeypatch.setenv(variable, value)
-            poison_caching_allocator()
-            results[value] = run()
-            torch.cuda.synchronize()
-        for got, want in zip(results[other], results[reference]):
-            assert not want.isnan().any(), f"{name}: NaN (unwritten output)"
-            assert torch.equal(got, want), f"{name}: {what} changed the result"
+        results = []
+        for config in configs:
+            with forced_config(config):
+                poison_caching_allocator()
+                results.append(run())
+                torch.cuda.synchronize()
+        for other in results[1:]:
+            for got, want in zip(other, results[0]):
+                assert not want.isnan().any(), f"{name}: NaN (unwritten output)"
+                assert torch.equal(got, want), f"{name}: {what} changed the result"
 
 
 def fc1_ops(gpu):
-    """FC1 with h kept and not: what the comparisons of FC1's activation paths run."""
+    """FC1 with h kept and not."""
     return {
         "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
         "fc1, h not kept": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[:1],
     }
 
 
-def test_claimed_tile_order_gives_the_static_bits(monkeypatch):
-    """The claimed tile order (the producer claims tiles from a counter and hands each index to the
-    consumers) against every grid-th tile, forced both ways by PRIMEMOE_GEMM_TILE_ORDER: bitwise equal on
-    each variant built with the claim (FC1, FC2 and FC1 dgrad), with 2-4 tiles per CTA and half tiles."""
+def test_claimed_tile_order_gives_the_static_bits():
+    """The claimed tile order (the producer claims tiles from a counter and hands each index to the consumers)
+    against every grid-th tile: bitwise equal on each variant built with the claim (FC1, FC2 and FC1 dgrad), with
+    2-4 tiles per CTA and half tiles."""
     gpu = engine_operands([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2048, 1536, seed=12, device="cuda")
     ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
+        **fc1_ops(gpu),
         "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
         "fc1 dgrad": lambda: (ops.expert_gemm(gpu.h, gpu.w1, gpu.offsets, True),),
     }
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_TILE_ORDER", "static", "claimed", ops_under_test,
-                               "the claimed tile order")
+    assert_same_bits([STATIC, CLAIMED], ops_under_test, "the claimed tile order")
 
 
-@pytest.mark.parametrize("pairs", ["0", "1"])
-@pytest.mark.parametrize("order", ["static", "claimed"])
-@pytest.mark.parametrize("counts, hidden", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304), ([1, 129, 300] * 60, 64),
-                                            ([1, 129, 300] * 60, 192), ([0, 0, 5000, 0], 2048)])
-def test_activation_warps_give_the_consumers_bits(monkeypatch, counts, hidden, order, pairs):
-    """FC1's activation by the producer's warps (the default) against the consumer warpgroups computing it
-    (PRIMEMOE_FC1_ACTIVATION=consumers), with h kept and not: bitwise equal, every element written. Split half
-    tiles with one and three k-slices (k = 64, 192: the second warpgroup has none / one, so its held job goes
-    after the mainloop), 36 k-slices (2304), rows past the routed ones, both tile orders, paired and not."""
-    gpu = engine_operands(counts, hidden, 1408, seed=17, device="cuda")
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")  # merged tails need the warps: their sums differ
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_ACTIVATION", "consumers", "warps", fc1_ops(gpu),
-                               "the activation warps")
-
-
-@pytest.mark.parametrize("merge", ["0", "1"])
-@pytest.mark.parametrize("order", ["static", "claimed"])
+@pytest.mark.parametrize("config", ["static", "claimed", "merged"])
 @pytest.mark.parametrize("counts, hidden, spare", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 37),
                                                    ([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 300),
                                                    ([1, 129, 300] * 60, 64, 37), ([1, 129, 300] * 60, 192, 37),
                                                    ([0, 0, 5000, 0], 2048, 37), ([129], 256, 37)])
-def test_activation_helper_gives_the_two_warps_bits(monkeypatch, counts, hidden, spare, order, merge):
-    """The producer warpgroup's fourth warp taking the last rows of every activation job (the default) against the two
-    activation warps alone (PRIMEMOE_FC1_ACTIVATION=two_warps), h kept and not: bitwise equal, every element
-    written. With and without 192-row tiles (whose tail jobs hold gate and up from both warpgroups), split half
-    tiles with one and three k-slices (the helper serves warpgroup 0 alone there), rows past the routed ones (jobs
-    back to back), both tile orders."""
+def test_fc1_activation_warps_match_cpu(counts, hidden, spare, config):
+    """FC1's activation by the producer's warps (the owner and the helper warp per job; around a 192-row tile the
+    consumers) against the CPU kernel, h kept and not, on poisoned outputs: split half tiles with one and three
+    k-slices (k = 64, 192: the second warpgroup has none / one, so its held job goes after the mainloop), 36 k-slices
+    (2304: ring positions differ from tile to tile), rows past the routed ones (jobs back to back), in every config."""
     gpu = engine_operands(counts, hidden, 1408, seed=29, device="cuda", spare_rows=spare)
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", merge)
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_ACTIVATION", "two_warps", "warps", fc1_ops(gpu),
-                               "the helper warp")
-
-
-@pytest.mark.parametrize("order", ["static", "claimed"])
-@pytest.mark.parametrize("counts, hidden, spare", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 300),
-                                                   ([1, 129, 300] * 60, 64, 37), ([1, 129, 300] * 60, 192, 37),
-                                                   ([129], 256, 37)])
-def test_merged_activation_by_consumers_gives_the_warps_bits(monkeypatch, counts, hidden, spare, order):
-    """FC1's activation around a 192-row tile computed by the consumers, for its tail (`tail`) and also for the tile
-    before it (`consumers`, the default), against the activation warps' jobs (`warps`; PRIMEMOE_FC1_MERGED_ACTIVATION
-    selects), h kept and not, merged tails forced: bitwise equal, every element written."""
-    gpu = engine_operands(counts, hidden, 1408, seed=31, device="cuda", spare_rows=spare)
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "1")
-    for other in ("tail", "consumers"):
-        assert_same_bits_under_env(monkeypatch, "PRIMEMOE_FC1_MERGED_ACTIVATION", "warps", other, fc1_ops(gpu),
-                                   f"the consumers' activation ({other})")
-
-
-@pytest.mark.parametrize("order", ["static", "claimed"])
-@pytest.mark.parametrize("counts", [[300, 0, 1, 700, 129, 64, 1000, 63] * 2, [64, 64, 64], [1], [0, 0, 5000, 0]])
-@pytest.mark.parametrize("hidden, inter", [(2048, 1536), (2304, 1408)])
-def test_paired_row_blocks_give_the_unpaired_bits(monkeypatch, counts, hidden, inter, order):
-    """2-CTA clusters over pairs of row blocks that share the weight tile by multicast where both blocks are one
-    expert's (PRIMEMOE_GEMM_PAIRS=1), placed statically or claimed (rank 0 claims, passes the pair to rank 1),
-    against unpaired tiles: bitwise equal on the variants built with pairs (FC1, FC2), with pairs inside and
-    across experts, odd numbers of row blocks and rows past the routed ones. 2304 x 1408 gives 36 and 22
-    k-slices per tile, so the ring's stage and phase differ from tile to tile (with 2048 x 1536 every tile
-    starts at stage 0, phase 0), which a drift between the two CTAs' rings would break."""
-    gpu = engine_operands(counts, hidden, inter, seed=13, device="cuda")
-    ops_under_test = {
-        "fc1": lambda: ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True),
-        "fc2": lambda: (ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight),),
-    }
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")  # not with pairs: the unpaired run must not merge
-    before = ops.paired_gemm_launches(torch.cuda.current_device())
-    assert_same_bits_under_env(monkeypatch, "PRIMEMOE_GEMM_PAIRS", "0", "1", ops_under_test, "paired row blocks")
-    assert ops.paired_gemm_launches(torch.cuda.current_device()) == before + len(ops_under_test), \
-        "a launch asked to pair ran unpaired (no cluster launch)"
+    cpu = engine_operands(counts, hidden, 1408, seed=29, spare_rows=spare)
+    with forced_config(CONFIGS[config]):
+        a, _ = fc1_matches_cpu(gpu, cpu)
+        assert torch.equal(ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[0], a)
 
 
 def merged_tail_rows(offsets):
@@ -208,41 +166,36 @@ def merged_tail_rows(offsets):
     return mask
 
 
-@pytest.mark.parametrize("order", ["static", "claimed"])
 @pytest.mark.parametrize("counts, hidden, inter, spare", [([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 1408, 37),
                                                           ([300, 0, 1, 700, 129, 64, 1000, 63] * 2, 2304, 1408, 300),
                                                           ([1, 129, 300] * 60, 64, 256, 37),
                                                           ([1, 129, 300] * 60, 192, 256, 37),
                                                           ([0, 0, 5000, 0], 2048, 1536, 37), ([129], 256, 256, 37)])
-def test_merged_tail_tiles_match_cpu(monkeypatch, counts, hidden, inter, spare, order):
-    """An expert's first 192 rows as one tile where its rows are an odd multiple of 64 (PRIMEMOE_GEMM_MERGE_TAILS=1):
-    FC1 (h kept and not) and the plain-store GEMM (FC2's variant, here over rows x w1 so that K = hidden; weighted
-    and not) against the CPU kernels on poisoned outputs; outside the tails bitwise those of unmerged tiles (the same
-    wgmma sequence), and no launch pairs. One and three k-slices per tile (hidden 64, 192: a merged tile's loop runs
-    once), 36 (2304: ring positions differ from tile to tile), several merged tiles per CTA, experts of 64 rows
-    beside them (half tiles), a lone merged tile, both tile orders; 37 rows past the routed ones (part of a tile with
-    no k-slice) and 300 (several such tiles, after the merged ones)."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
+def test_merged_tail_tiles_match_cpu(counts, hidden, inter, spare):
+    """An expert's first 192 rows as one tile where its rows are an odd multiple of 64 (merge_tails, built with the
+    claimed order): FC1 (h kept and not) and the plain-store GEMM (FC2's variant, here over rows x w1 so that
+    K = hidden; weighted and not) against the CPU kernels on poisoned outputs; outside the tails bitwise those of
+    unmerged tiles (the same wgmma sequence; the tails sum in another order). One and three k-slices per tile
+    (hidden 64, 192: a merged tile's loop runs once), 36 (2304: ring positions differ from tile to tile), several
+    merged tiles per CTA, experts of 64 rows beside them (half tiles), a lone merged tile; 37 rows past the routed
+    ones (part of a tile with no k-slice) and 300 (several such tiles, after the merged ones)."""
     gpu = engine_operands(counts, hidden, inter, seed=23, device="cuda", spare_rows=spare)
     cpu = engine_operands(counts, hidden, inter, seed=23, spare_rows=spare)
     tails = merged_tail_rows(cpu.offsets)
     assert tails.any()
     runs = {}
-    for merge in ("0", "1"):
-        monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", merge)
-        before = ops.paired_gemm_launches(torch.cuda.current_device())
-        a, h = fc1_matches_cpu(gpu, cpu)
-        a_only = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[0]
-        assert torch.equal(a_only, a)
-        poison_caching_allocator()
-        o = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False)
-        assert_rows_close("store", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False))
-        poison_caching_allocator()
-        ow = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False, gpu.row_weight)
-        assert_rows_close("store weighted", ow, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
-        if merge == "1":
-            assert ops.paired_gemm_launches(torch.cuda.current_device()) == before, "a merging launch paired"
-        runs[merge] = [t.cpu() for t in (a, h, o, ow)]
+    for merge, config in (("0", CLAIMED), ("1", MERGED)):
+        with forced_config(config):
+            a, h = fc1_matches_cpu(gpu, cpu)
+            a_only = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, False)[0]
+            assert torch.equal(a_only, a)
+            poison_caching_allocator()
+            o = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False)
+            assert_rows_close("store", o, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False))
+            poison_caching_allocator()
+            ow = ops.expert_gemm(gpu.xs, gpu.w1, gpu.offsets, False, gpu.row_weight)
+            assert_rows_close("store weighted", ow, ops.expert_gemm(cpu.xs, cpu.w1, cpu.offsets, False, cpu.row_weight))
+            runs[merge] = [t.cpu() for t in (a, h, o, ow)]
     for name, merged, unmerged in zip(("fc1 a", "fc1 h", "store", "store weighted"), runs["1"], runs["0"]):
         rows = min(len(tails), merged.shape[0])
         keep = torch.ones(merged.shape[0], dtype=torch.bool)
@@ -257,98 +210,53 @@ FIRST_LAUNCH_IN_CAPTURE = textwrap.dedent("""
     from engine_cases import engine_operands
     import primemoe  # noqa: F401 (the ops)
     ops = torch.ops.primemoe
-    gpu = engine_operands([300, 0, 700, 129, 1000, 64, 500, 2], 2048, 1536, seed=5, device="cuda")
-    device = torch.cuda.current_device()
+    # 2048 x 1536: 12.6 MB of weights per expert, so the heuristics claim tiles (a counter zeroed on the stream)
+    # and merge tails.
+    gpu = engine_operands([300, 0, 700, 129, 1000, 64, 500, 2] * 3, 2048, 1536, seed=5, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-    assert ops.paired_gemm_launches(device) == 1, "the captured launch ran unpaired"
-    a.fill_(float("nan"))
-    h.fill_(float("nan"))
+        o = ops.expert_gemm(a, gpu.w2, gpu.offsets, False, gpu.row_weight)
+    for t in (a, h, o):
+        t.fill_(float("nan"))
     graph.replay()
     a_eager, h_eager = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    o_eager = ops.expert_gemm(a_eager, gpu.w2, gpu.offsets, False, gpu.row_weight)
     torch.cuda.synchronize()
-    assert ops.paired_gemm_launches(device) == 2, "the eager launch after the capture ran unpaired"
-    assert not a_eager.isnan().any() and not h_eager.isnan().any(), "NaN (unwritten output)"
-    assert torch.equal(a, a_eager) and torch.equal(h, h_eager), "the graph's replay differs from the eager launch"
+    for got, want in ((a, a_eager), (h, h_eager), (o, o_eager)):
+        assert not want.isnan().any(), "NaN (unwritten output)"
+        assert torch.equal(got, want), "the graph's replay differs from the eager launch"
     print("ok")
 """)
 
 
-def test_first_paired_launch_inside_graph_capture():
-    """A process whose first FC1 launch (paired by default: 26 row blocks x 12 column tiles) is captured into a
-    CUDA graph, with every first-launch step of the host (kernel attributes, tensor maps, the cluster occupancy
-    query): the capture must not break, the captured launch and the eager one after it run paired, with the same
-    bits. In a fresh process, as those steps run once per process."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PRIMEMOE_GEMM_PAIRS", "PRIMEMOE_GEMM_TILE_ORDER")}
-    env["PRIMEMOE_GEMM_MERGE_TAILS"] = "0"  # merged tails take the place of pairs
+def test_first_launch_inside_graph_capture():
+    """A process whose first FC1 and FC2 launches (claimed order, 192-row tiles) are captured into a CUDA graph, with
+    every first-launch step of the host (kernel attributes, tensor maps, the zeroed tile counter): the capture must
+    not break, and its replay gives the eager launches' bits. In a fresh process, as those steps run once per
+    process."""
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-c", FIRST_LAUNCH_IN_CAPTURE, tests_dir], capture_output=True, text=True,
-                         timeout=300, env=env)
+                         timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
 
 
-def test_gemm_overrides_are_checked(monkeypatch):
+def test_forced_configs_are_checked():
+    """The test-only op takes 0 / 1 for each field (-1 / -1: the heuristics again) and refuses a config that has no
+    kernel for the GEMM at hand, by name."""
     gpu = engine_operands([64], 256, 256, device="cuda")
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", "dynamic")
-    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_TILE_ORDER: expected static or claimed"):
-        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-    monkeypatch.delenv("PRIMEMOE_GEMM_TILE_ORDER")
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", "yes")
-    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_PAIRS: expected 0 or 1"):
-        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-    monkeypatch.delenv("PRIMEMOE_GEMM_PAIRS")
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "on")
-    with pytest.raises(RuntimeError, match="PRIMEMOE_GEMM_MERGE_TAILS: expected 0 or 1"):
-        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-    monkeypatch.delenv("PRIMEMOE_GEMM_MERGE_TAILS")
-    monkeypatch.setenv("PRIMEMOE_FC1_ACTIVATION", "fast")
-    with pytest.raises(RuntimeError, match="PRIMEMOE_FC1_ACTIVATION: expected warps, two_warps or consumers"):
-        ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
-@pytest.mark.parametrize("tokens", [1, 17, 4095])
-def test_fc1_gather_equals_fc1_of_gathered_rows(monkeypatch, tokens, routing, shape):
-    """The gather fused into FC1's loads (cp.async by the producer's first warp) gives the same bits
-    as FC1 over rows gathered beforehand, and matches the CPU kernel; padding rows are zeros."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")  # FC1's 192-row tiles sum their tails in another order
-    hidden, inter = SHAPES[shape]
-    g = gather_operands(tokens, 8, 16, hidden, inter, routing, seed=tokens, device="cuda")
-    poison_caching_allocator()
-    a, h = ops.fc1_swiglu_gather(g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, True)
-    xs = ops.gather_rows(g.x, g.row_to_slot, g.top_k, None)
-    a_ref, h_ref = ops.fc1_swiglu(xs, g.w1, g.offsets, True)
-    assert torch.equal(h, h_ref) and torch.equal(a, a_ref)
-    cpu = ops.fc1_swiglu_gather(g.x.cpu(), g.row_to_slot.cpu(), g.top_k, g.w1.cpu(), g.offsets.cpu(), True)
-    assert_rows_close("fc1 gathered h", h, cpu[1])
-    assert not h[g.row_to_slot < 0].any(), "padding rows must be zeros"
-
-
-@pytest.mark.parametrize("activation", ["warps", "two_warps", "consumers"])
-@pytest.mark.parametrize("pairs", ["0", "1"])
-@pytest.mark.parametrize("order", ["static", "claimed"])
-def test_fc1_gather_schedules_give_the_bits_of_fc1(monkeypatch, order, pairs, activation):
-    """The gathered FC1 in every schedule its variant has (tile order, paired row blocks sharing the weight tile,
-    the activation by the producer's warps or by the consumers): the bits of FC1 over rows gathered beforehand, on
-    poisoned outputs, padding rows zeros; ~1,000 rows per expert (pairs of one expert's blocks), 32 k-slices,
-    half tiles, ~12 tiles per CTA."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
-    monkeypatch.setenv("PRIMEMOE_FC1_ACTIVATION", activation)
-    monkeypatch.setenv("PRIMEMOE_GEMM_MERGE_TAILS", "0")  # the gathered FC1 has no 192-row tiles
-    g = gather_operands(3000, 8, 16, 2048, 1536, "masked", seed=24, device="cuda")
-    xs = ops.gather_rows(g.x, g.row_to_slot, g.top_k, None)
-    a_ref, h_ref = ops.fc1_swiglu(xs, g.w1, g.offsets, True)
-    before = ops.paired_gemm_launches(torch.cuda.current_device())
-    poison_caching_allocator()
-    a, h = ops.fc1_swiglu_gather(g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, True)
-    torch.cuda.synchronize()
-    assert ops.paired_gemm_launches(torch.cuda.current_device()) == before + int(pairs), "pairs not as asked"
-    assert not h_ref.isnan().any()
-    assert torch.equal(h, h_ref) and torch.equal(a, a_ref)
-    assert not h[g.row_to_slot < 0].any(), "padding rows must be zeros"
+    with pytest.raises(RuntimeError, match="claim_tiles"):
+        ops._gemm_force_config(2, 0)
+    with pytest.raises(RuntimeError, match="merge_tails"):
+        ops._gemm_force_config(0, -1)
+    with forced_config((0, 1)):  # 192-row tiles come only with the claimed order
+        with pytest.raises(RuntimeError, match="merge_tails"):
+            ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)
+    with forced_config(CLAIMED):  # FC2 dgrad has no claimed order
+        with pytest.raises(RuntimeError, match="claim_tiles"):
+            ops.fc2_dgrad_swiglu(gpu.dy_rows, gpu.w2, gpu.h, gpu.row_weight, gpu.offsets)
+    a, h = ops.fc1_swiglu(gpu.xs, gpu.w1, gpu.offsets, True)  # cleared: the heuristics again
+    assert a.isfinite().all() and h.isfinite().all()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -401,18 +309,13 @@ def test_engine_ops_are_bitwise_repeatable():
     assert torch.equal(w, ops.expert_wgrad(gpu.h, gpu.xs, gpu.offsets))
 
 
-@pytest.mark.parametrize("schedule", [{"PRIMEMOE_GEMM_PAIRS": "0"}, {"PRIMEMOE_GEMM_PAIRS": "1"},
-                                      {"PRIMEMOE_GEMM_PAIRS": "0", "PRIMEMOE_GEMM_MERGE_TAILS": "1"}],
-                         ids=["unpaired", "paired", "merged_tails"])
+@pytest.mark.parametrize("config", [None, CLAIMED, MERGED], ids=["heuristics", "claimed", "merged"])
 @pytest.mark.parametrize("counts", ["mixed", "all_empty"])
-def test_zero_unrouted_false_keeps_the_routed_rows(monkeypatch, counts, schedule):
+def test_zero_unrouted_false_keeps_the_routed_rows(counts, config):
     """zero_unrouted=False skips the tiles past the routed rows (300 spare rows: two whole tiles and part
     of a third) and nothing else: the routed rows are bitwise those of the zeroing run, the rest keep
-    the allocator's poison. Paired row blocks forced on and off (PRIMEMOE_GEMM_PAIRS): a pair whose second
-    block is past the routed rows, or absent, must not share with it. 192-row tiles forced on for FC1 and FC2 (both
-    merge them where the weights are large, the EP path's FC2 too): the last expert's among them."""
-    for name, value in schedule.items():
-        monkeypatch.setenv(name, value)
+    the allocator's poison. Also claimed, and with 192-row tiles for FC1 and FC2 (the last expert's among them);
+    FC2 dgrad, which has neither, under the heuristics only."""
     hidden, inter = SHAPES["small"]
     g = engine_operands(COUNTS[counts], hidden, inter, seed=5, device="cuda", spare_rows=300)
     routed = int(g.offsets[-1])
@@ -423,9 +326,12 @@ def test_zero_unrouted_false_keeps_the_routed_rows(monkeypatch, counts, schedule
         "fc2_dgrad_swiglu": lambda **kw: ops.fc2_dgrad_swiglu(g.dy_rows, g.w2, g.h, g.row_weight, g.offsets, **kw),
     }
     for name, call in calls.items():
-        full = call()
-        poison_caching_allocator()
-        skipped = call(zero_unrouted=False)
+        if config is not None and name == "fc2_dgrad_swiglu":
+            continue
+        with forced_config(config) if config is not None else contextlib.nullcontext():
+            full = call()
+            poison_caching_allocator()
+            skipped = call(zero_unrouted=False)
         for want, got in zip(full if isinstance(full, tuple) else (full,),
                              skipped if isinstance(skipped, tuple) else (skipped,)):
             assert got.shape == want.shape, name
@@ -438,8 +344,6 @@ def test_opcheck_engine_ops_on_cuda():
     e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=4, device="cuda")
     torch.library.opcheck(ops.fc1_swiglu, (e.xs, e.w1, e.offsets, True))
     torch.library.opcheck(ops.expert_gemm, (e.a, e.w2, e.offsets, False, e.row_weight))
-    g = gather_operands(40, 4, 3, 256, 256, "masked", seed=4, device="cuda")
-    torch.library.opcheck(ops.fc1_swiglu_gather, (g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, True))
     torch.library.opcheck(ops.expert_gemm, (e.a, e.w2, e.offsets, False))
     torch.library.opcheck(ops.expert_gemm, (e.h, e.w1, e.offsets, True))
     torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets))
@@ -469,16 +373,16 @@ def test_unsupported_size_raises_a_clear_error():
     assert y.isfinite().all()
 
 
-@pytest.mark.parametrize("pairs", ["0", "1"])
-def test_fc1_producer_waits_for_rows_ready(monkeypatch, pairs):
-    """The wait hook the expert-parallel path drives: satisfied counters change nothing, also with paired row
-    blocks forced on (PRIMEMOE_GEMM_PAIRS=1; the heuristics pair nothing under the hook)."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_PAIRS", pairs)
+@pytest.mark.parametrize("config", ["static", "claimed"])
+def test_fc1_producer_waits_for_rows_ready(config):
+    """The wait hook the expert-parallel path drives: satisfied counters change nothing, in both tile orders (the
+    heuristics claim under the hook where the weights are large, and never merge there)."""
     e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=6, device="cuda")
-    plain = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
     ready = torch.full((3,), 4, dtype=torch.int64, device="cuda")
     epoch = torch.full((1,), 2, dtype=torch.int64, device="cuda")
-    hooked = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, ready, epoch, 2, 0)
+    with forced_config(CONFIGS[config]):
+        plain = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
+        hooked = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, ready, epoch, 2, 0)
     assert torch.equal(hooked[0], plain[0]) and torch.equal(hooked[1], plain[1])
     primemoe.check_errors()
 
@@ -505,15 +409,15 @@ def test_rows_ready_arguments_are_checked():
         ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(2, dtype=torch.int64, device="cuda"), None, 1, 0)
 
 
-@pytest.mark.parametrize("order", ["static", "claimed"])
+@pytest.mark.parametrize("config", ["static", "claimed", "merged"])
 @pytest.mark.parametrize("experts", [256, 300])
-def test_forward_ops_with_hundreds_of_experts(monkeypatch, experts, order):
+def test_forward_ops_with_hundreds_of_experts(experts, config):
     """FC1 and FC2 against the CPU kernels over hundreds of experts (empty ones, half tiles, several tiles each), so
     that the producer's walk and its handoff of decoded tiles to the consumers cross many expert boundaries."""
-    monkeypatch.setenv("PRIMEMOE_GEMM_TILE_ORDER", order)
     counts = [0 if e % 5 == 0 else (37 * e) % 200 for e in range(experts)]
     gpu = engine_operands(counts, 256, 256, seed=31, device="cuda")
     cpu = engine_operands(counts, 256, 256, seed=31)
-    fc1_matches_cpu(gpu, cpu)
-    o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight)
+    with forced_config(CONFIGS[config]):
+        fc1_matches_cpu(gpu, cpu)
+        o = ops.expert_gemm(gpu.a, gpu.w2, gpu.offsets, False, gpu.row_weight)
     assert_rows_close("fc2 weighted", o, ops.expert_gemm(cpu.a, cpu.w2, cpu.offsets, False, cpu.row_weight))
