@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import primemoe
+from primemoe.shapes import MODEL_SHAPES
 
 # Where this process imported primemoe from: subprocesses and spawned ranks must import the same one.
 PRIMEMOE_ROOT = str(Path(primemoe.__file__).resolve().parents[1])
@@ -22,11 +23,7 @@ ROUTINGS = ("uniform", "skewed", "masked", "one_expert", "empty_experts", "all_s
 HOT_EXPERTS = 4  # "skewed": most tokens prefer the first HOT_EXPERTS experts
 
 # The reference shapes of DESIGN.md section 1: (H, I, E, K).
-REFERENCE_SHAPES = {
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "qwen3-235b-a22b": (4096, 1536, 128, 8),
-    "deepseek-v3": (7168, 2048, 256, 8),
-}
+REFERENCE_SHAPES = {name: shape.dims for name, shape in MODEL_SHAPES.items()}
 
 
 @dataclass

@@ -16,18 +16,14 @@ import time
 
 import torch
 
-SHAPES = {
-    "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
-    "qwen3-235b-a22b": dict(hidden=4096, intermediate=1536, experts=128, top_k=8),
-    "deepseek-v3": dict(hidden=7168, intermediate=2048, experts=256, top_k=8),
-}
+from .shapes import MODEL_SHAPES
 
 
 def make_problem(shape, tokens, device, seed=0):
     from . import route
 
     g = torch.Generator(device="cpu").manual_seed(seed)
-    H, I, E, K = shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"]
+    H, I, E, K = shape.dims
 
     def randn(*size, scale=1.0):
         return (torch.randn(*size, generator=g) * scale).to(device=device, dtype=torch.bfloat16)
@@ -72,7 +68,7 @@ def main(argv=None):
     from primemoe import baseline, reference
 
     p = argparse.ArgumentParser(prog="python -m primemoe", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=None, help="tokens (default 4096 on GPU, 32 on CPU)")
     p.add_argument("--iters", type=int, default=None, help="timed repeats (default 10 on GPU, 1 on CPU)")
     args = p.parse_args(argv)
@@ -81,8 +77,8 @@ def main(argv=None):
     device = torch.device("cuda" if on_gpu else "cpu")
     tokens = args.tokens if args.tokens is not None else (4096 if on_gpu else 32)
     iters = args.iters if args.iters is not None else (10 if on_gpu else 1)
-    shape = SHAPES[args.shape]
-    H, I, E, K = shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"]
+    shape = MODEL_SHAPES[args.shape]
+    H, I, E, K = shape.dims
     print(f"primemoe {primemoe.__version__}: {args.shape} (H={H} I={I} E={E} K={K}), T={tokens}, "
           f"device={torch.cuda.get_device_name() if on_gpu else 'cpu'}", flush=True)
 

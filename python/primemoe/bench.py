@@ -1,16 +1,26 @@
 """MoE layer benchmark: primemoe, the PyTorch baseline and the reference, side by side.
 
-    python -m primemoe.bench [--shapes ...] [--tokens ...] [--ep 1 2] [--impl ...] [--out DIR]
+    python -m primemoe.bench [--shapes ...] [--tokens ...] [--ep 1 2] [--impl ...] [--out DIR] [--no-raw]
     python -m primemoe.bench --comm [--ep 2] [--num-sms 8 16 24] ...
 
-For every (shape, tokens per rank, EP, precision, implementation) it times forward and
-backward separately with CUDA events: warm-up, then the median of ``--iters``, with L2
-flushed (a 256 MB write) before every timed region, after ``--settle`` idle seconds per case and
-implementation (the GPU's heat from the case before would otherwise slow the next: benchmarks/
-RESULTS.md, sixteenth session). TFLOP/s are per GPU and counted as in
-DESIGN.md section 6: forward 6*T*K*H*I, backward 12*T*K*H*I (T = tokens per rank, no
-credit for recomputation). EP > 1 spawns one process per GPU (NCCL, multicast off); an
-iteration's time there is the max over ranks, which is what a training step sees.
+Every (shape, tokens per rank, EP, precision, implementation) is timed along two paths, forward and backward
+separately, with CUDA events: warm-up, then the median of ``--iters``, L2 flushed (a 256 MB write) before every
+timed region.
+
+- The user path, the headline: what training calls. ``primemoe.moe`` and ``primemoe.baseline.moe`` on inputs that
+  require grad (the forward saves for backward), then ``torch.autograd.grad(y, [x, topk_weights, w1, w2], dy)``.
+  The implementations of a (shape, tokens, EP, precision) take turns in every iteration, in reversed order every
+  other iteration, with no idle time between them. One more forward+backward of each gives its peak memory
+  (``torch.cuda.max_memory_allocated`` above what was allocated before it), reported beside the baseline's.
+- The raw ops (``--no-raw`` skips them): each implementation's own entry points, timed alone after ``--settle``
+  idle seconds (the GPU's heat from the case before would otherwise slow the next: benchmarks/RESULTS.md,
+  sixteenth session): ``torch.ops.primemoe.moe_forward`` / ``moe_backward``, ``baseline.forward`` / ``backward``,
+  the reference through autograd. At EP > 1 primemoe has no entry point below ``primemoe.moe(buffer=)``: its raw
+  timing is that call alone.
+
+TFLOP/s are per GPU and counted as in DESIGN.md section 6: forward 6*T*K*H*I, backward 12*T*K*H*I (T = tokens per
+rank, no credit for recomputation). EP > 1 spawns one process per GPU (NCCL, multicast off); an iteration's time
+there is the max over ranks, which is what a training step sees.
 ``--comm`` times the row exchange alone instead (dispatch and combine, EP > 1 only):
 primemoe.Buffer at each ``--num-sms``, NCCL all_to_all_single and torch's symm_mem
 all_to_all_vdev moving the same rows, in GB/s of the bytes that cross to other GPUs.
@@ -41,15 +51,12 @@ import torch
 import torch.distributed as dist
 
 from primemoe._validate import PRECISIONS
+from primemoe.shapes import MODEL_SHAPES, TARGET_SHAPES  # TARGET_SHAPES: the default --shapes
 
-SHAPES = {  # name: (hidden H, intermediate I, experts E, top_k K), DESIGN.md section 1
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "qwen3-235b-a22b": (4096, 1536, 128, 8),
-    "deepseek-v3": (7168, 2048, 256, 8),
-}
-TARGET_SHAPES = ["qwen3-30b-a3b", "qwen3-235b-a22b"]  # the shapes the issues set targets at: the default
+SHAPES = {name: shape.dims for name, shape in MODEL_SHAPES.items()}  # name: (H, I, E, K), as the scripts read them
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 L2_FLUSH_BYTES = 256 << 20
+MIB = 1 << 20
 NCCL_TIMEOUT = datetime.timedelta(minutes=5)  # a rank that fails inside a collective must not hang the run
 # The issue's numbers, printed beside --comm results: GB/s per GPU and direction.
 COMM_TARGET_GBPS, COMM_TARGET_MIN_TOKENS, COMM_TARGET_MAX_SMS, NCCL_ISSUE_GBPS = 300, 8192, 24, 255
@@ -95,11 +102,43 @@ def comm_target(case, gbps: float) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- implementations
-# Each adapter is built from (inputs, group, case, shape context); forward() returns the
-# state backward(state, dy) needs. Adding an implementation is one entry in IMPLS (layer)
-# or COMM_IMPLS (--comm: forward = dispatch, backward = combine).
+# An implementation has a raw runner, made from (inputs, group, case, shape context): forward() returns the state
+# that backward(state, dy) needs. One with a user path also names the differentiable call training makes, made from
+# (group, case, shape context). Adding an implementation is one entry in IMPLS (layer) or COMM_IMPLS (--comm:
+# forward = dispatch, backward = combine).
 
-class _Baseline:
+class _UserPath:
+    """What training does: ``moe`` under grad mode on leaves that require grad (the forward saves for backward),
+    then torch.autograd.grad of those four leaves (nothing accumulates into .grad)."""
+
+    def __init__(self, moe: Callable, inp):
+        self.moe, self.topk_idx = moe, inp.topk_idx
+        self.leaves = [t.detach().requires_grad_() for t in (inp.x, inp.topk_weights, inp.w1, inp.w2)]
+
+    def forward(self):
+        x, topk_weights, w1, w2 = self.leaves
+        with torch.enable_grad():
+            return self.moe(x, self.topk_idx, topk_weights, w1, w2)
+
+    def backward(self, y, dy):
+        return torch.autograd.grad(y, self.leaves, dy)
+
+
+def _primemoe_moe(group, case, ctx) -> Callable:
+    """primemoe.moe; EP>1: through the shape's Buffer."""
+    import primemoe
+    buffer = None if group is None else ctx.buffer(precision=case.precision)
+    return partial(primemoe.moe, buffer=buffer, precision=case.precision)
+
+
+def _baseline_moe(group, case, ctx) -> Callable:
+    from primemoe import baseline
+    return partial(baseline.moe, group=group)
+
+
+class _BaselineRaw:
+    """baseline.forward / backward: the baseline's two halves without autograd."""
+
     def __init__(self, inp, group, case, ctx):
         from primemoe import baseline
         self.mod, self.inp, self.group = baseline, inp, group
@@ -112,8 +151,11 @@ class _Baseline:
         return self.mod.backward(state[1], dy)
 
 
-class _Primemoe:
-    def __init__(self, inp, group, case, ctx):
+class _PrimemoeOps:
+    """torch.ops.primemoe.moe_forward (FC1 pre-activations kept, as primemoe.moe keeps them for backward) and
+    moe_backward."""
+
+    def __init__(self, inp, case):
         import primemoe  # noqa: F401  (registers torch.ops.primemoe)
         self.inp, self.precision = inp, case.precision
 
@@ -127,39 +169,14 @@ class _Primemoe:
             dy, i.x, i.topk_idx, i.topk_weights, i.w1, i.w2, state[1], self.precision)
 
 
-class _Autograd:
-    """Forward: ``self.moe`` on fresh leaves x, topk_weights, w1, w2; backward: autograd.grad of them."""
-
-    def forward(self):
-        i = self.inp
-        leaves = [t.detach().requires_grad_() for t in (i.x, i.topk_weights, i.w1, i.w2)]
-        with torch.enable_grad():
-            y = self.moe(leaves[0], i.topk_idx, *leaves[1:])
-        return y, leaves
-
-    def backward(self, state, dy):
-        y, leaves = state
-        return torch.autograd.grad(y, leaves, dy)
+def _primemoe_raw(inp, group, case, ctx):
+    """EP=1: the ops themselves; EP>1: primemoe.moe(buffer=), the Buffer path's only entry point."""
+    return _PrimemoeOps(inp, case) if group is None else _UserPath(_primemoe_moe(group, case, ctx), inp)
 
 
-class _Reference(_Autograd):
-    def __init__(self, inp, group, case, ctx):
-        from primemoe import reference
-        self.moe, self.inp = reference.moe, inp
-
-
-class _PrimemoeEP(_Autograd):
-    """``primemoe.moe(..., buffer=)``: the only EP entry point, so forward records autograd as training does."""
-
-    def __init__(self, inp, group, case, ctx):
-        import primemoe
-        self.moe = partial(primemoe.moe, buffer=ctx.buffer(precision=case.precision), precision=case.precision)
-        self.inp = inp
-
-
-def _primemoe(inp, group, case, ctx):
-    """EP=1: the ops themselves; EP>1: through the shape's Buffer."""
-    return (_Primemoe if group is None else _PrimemoeEP)(inp, group, case, ctx)
+def _reference_raw(inp, group, case, ctx):
+    from primemoe import reference
+    return _UserPath(reference.moe, inp)
 
 
 def _routed_rows(inp, group) -> tuple:
@@ -219,7 +236,8 @@ class _SymmMemComm:
             raise RuntimeError(f"torch {torch.__version__} lacks torch.ops.symm_mem.all_to_all_vdev or NVSHMEM")
         world, hidden, rows = dist.get_world_size(group), inp.x.shape[1], inp.topk_idx.numel()
         if _SymmMemComm.buffers is None:  # once per process, sized for the run's largest case
-            elems = max(max(ctx.args.tokens) * SHAPES[s][3] * SHAPES[s][0] for s in ctx.args.shapes)
+            elems = max(max(ctx.args.tokens) * MODEL_SHAPES[s].top_k * MODEL_SHAPES[s].hidden
+                        for s in ctx.args.shapes)
             # Before torch's first allocation initialises NVSHMEM (the bench runs on one host).
             os.environ.update(nvshmem_environment(os.environ, [socket.gethostname()], (1 + world) * elems * 2)[0])
             symm_mem.set_backend("NVSHMEM")
@@ -247,20 +265,23 @@ class _SymmMemComm:
 
 @dataclass(frozen=True)
 class Impl:
-    make: Callable
+    make: Callable  # the raw runner
     precisions: tuple
     about: str
+    user: Optional[Callable] = None  # the user path's moe call; None: timed in the raw ops only
     single_gpu: Optional[str] = None  # why it cannot run at EP > 1, if it cannot
     failure: str = "error"  # the status of a case it fails
 
 
 IMPLS = {
-    "baseline": Impl(_Baseline, ("bf16",), "sort + torch._grouped_mm; NCCL all-to-all at EP>1"),
-    "primemoe": Impl(_primemoe, PRECISIONS, "torch.ops.primemoe.moe_forward / moe_backward; EP>1: "
-                     "primemoe.moe(buffer=primemoe.Buffer) with autograd (NVSHMEM dispatch/combine on the Buffer's "
-                     "default SMs)"),
-    "reference": Impl(_Reference, ("bf16",), "pure-PyTorch loop over experts (fp32), autograd backward",
-                      single_gpu="single GPU only"),
+    "baseline": Impl(_BaselineRaw, ("bf16",), "sort + torch._grouped_mm; NCCL all-to-all at EP>1. User path: "
+                     "baseline.moe (a torch.autograd.Function); raw: baseline.forward / backward", user=_baseline_moe),
+    "primemoe": Impl(_primemoe_raw, PRECISIONS, "user path: primemoe.moe (EP>1: buffer=primemoe.Buffer, NVSHMEM "
+                     "dispatch/combine on the Buffer's default SMs); raw: torch.ops.primemoe.moe_forward / "
+                     "moe_backward (EP>1: primemoe.moe(buffer=) alone, it has no other entry point)",
+                     user=_primemoe_moe),
+    "reference": Impl(_reference_raw, ("bf16",), "pure-PyTorch loop over experts (fp32), autograd backward; "
+                      "raw timing only", single_gpu="single GPU only"),
 }
 COMM_IMPLS = {
     "primemoe": Impl(_PrimemoeComm, ("bf16",), "primemoe.Buffer.dispatch / combine (NVSHMEM) on num_sms SMs"),
@@ -270,6 +291,14 @@ COMM_IMPLS = {
 
 
 # ---------------------------------------------------------------- cases and inputs
+
+def _path_times(outcomes: list, path: str) -> Optional[tuple]:
+    """Forward and backward ms of ``path`` (per iteration the slowest rank, then the median), if every rank timed it."""
+    runs = [o.get(path) for o in outcomes]
+    if not all(run and "error" not in run for run in runs):
+        return None
+    return tuple(statistics.median(map(max, zip(*(run[key] for run in runs)))) for key in ("fwd", "bwd"))
+
 
 @dataclass
 class Case:
@@ -281,7 +310,11 @@ class Case:
     impl: str
     skip: Optional[str] = None  # why this case is not run
 
-    METRICS = ("fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "nvlink_gbps", "routed_rows", "remote_rows")
+    # user_*: the user path (the headline); raw_*: the raw ops; memory (MiB) of one user-path forward+backward.
+    METRICS = ("user_fwd_ms", "user_bwd_ms", "user_fwd_tflops", "user_bwd_tflops", "peak_mib", "saved_mib",
+               "peak_vs_baseline", "raw_fwd_ms", "raw_bwd_ms", "raw_fwd_tflops", "raw_bwd_tflops", "nvlink_gbps",
+               "routed_rows", "remote_rows")
+    PATH_LABELS = {"user": "user path", "raw": "raw ops"}  # the timings a case can run, as notes name them
 
     def label(self) -> str:
         return f"{self.shape} T={self.tokens} EP={self.ep} {self.precision} {self.impl}"
@@ -289,9 +322,40 @@ class Case:
     def spec(self) -> Impl:
         return IMPLS[self.impl]
 
+    def paths(self, args) -> tuple:
+        """The timings this case runs, of PATH_LABELS."""
+        return (("user",) if self.spec().user else ()) + (() if args.no_raw else ("raw",))
+
+    def metrics(self, outcomes: list) -> dict:
+        """The result fields of the ranks' outcomes, from the paths every rank timed."""
+        hidden, inter, _, top_k = MODEL_SHAPES[self.shape].dims
+        flops = fwd_flops(self.tokens, top_k, hidden, inter), bwd_flops(self.tokens, top_k, hidden, inter)
+        fields = {}
+        for path in self.PATH_LABELS:
+            times = _path_times(outcomes, path)
+            if times is not None:
+                fields.update({f"{path}_fwd_ms": times[0], f"{path}_bwd_ms": times[1],
+                               f"{path}_fwd_tflops": flops[0] / times[0] / 1e9,
+                               f"{path}_bwd_tflops": flops[1] / times[1] / 1e9})
+        memory = [o.get("user") or {} for o in outcomes]
+        if all("peak_bytes" in m for m in memory):  # the rank that needs the most
+            fields.update(peak_mib=max(m["peak_bytes"] for m in memory) / MIB,
+                          saved_mib=max(m["saved_bytes"] for m in memory) / MIB)
+        remote = statistics.mean(o["remote_rows"] for o in outcomes)
+        if self.ep > 1 and "user_fwd_ms" in fields:
+            fields["nvlink_gbps"] = nvlink_bytes(remote, hidden) / fields["user_fwd_ms"] / 1e6
+        return dict(fields, routed_rows=round(statistics.mean(o["routed_rows"] for o in outcomes)),
+                    remote_rows=round(remote))
+
     def summary(self, r: dict) -> str:
-        return (f"fwd {r['fwd_ms']:.3f} ms ({r['fwd_tflops']:.1f} TFLOP/s), "
-                f"bwd {r['bwd_ms']:.3f} ms ({r['bwd_tflops']:.1f} TFLOP/s)")
+        parts = []
+        if r["user_fwd_ms"] is not None:
+            peak = f", peak {r['peak_mib']:.0f} MiB" if r["peak_mib"] is not None else ""
+            parts.append(f"fwd {r['user_fwd_ms']:.3f} ms ({r['user_fwd_tflops']:.1f} TFLOP/s), "
+                         f"bwd {r['user_bwd_ms']:.3f} ms ({r['user_bwd_tflops']:.1f} TFLOP/s){peak}")
+        if r["raw_fwd_ms"] is not None:
+            parts.append(f"raw fwd {r['raw_fwd_ms']:.3f} ms, bwd {r['raw_bwd_ms']:.3f} ms")
+        return "; ".join(parts)
 
 
 @dataclass
@@ -301,6 +365,7 @@ class CommCase(Case):
     num_sms: Optional[int] = None  # primemoe only: the Buffer's dispatch/combine SMs
 
     METRICS = ("dispatch_ms", "dispatch_gbps", "combine_ms", "combine_gbps", "remote_mb", "total_mb", "target")
+    PATH_LABELS = {"raw": ""}  # one timing: the exchange
 
     def label(self) -> str:
         sms = f" {self.num_sms} SMs" if self.num_sms else ""
@@ -309,7 +374,25 @@ class CommCase(Case):
     def spec(self) -> Impl:
         return COMM_IMPLS[self.impl]
 
+    def paths(self, args) -> tuple:
+        return ("raw",)
+
+    def metrics(self, outcomes: list) -> dict:
+        """Each direction moves every remote row once: the same bytes both ways."""
+        hidden = MODEL_SHAPES[self.shape].hidden
+        remote_bytes = direction_bytes(statistics.mean(o["remote_rows"] for o in outcomes), hidden)
+        fields = dict(remote_mb=remote_bytes / 1e6,
+                      total_mb=direction_bytes(statistics.mean(o["routed_rows"] for o in outcomes), hidden) / 1e6)
+        times = _path_times(outcomes, "raw")
+        if times is not None:
+            dispatch_gbps, combine_gbps = remote_bytes / times[0] / 1e6, remote_bytes / times[1] / 1e6
+            fields.update(dispatch_ms=times[0], combine_ms=times[1], dispatch_gbps=dispatch_gbps,
+                          combine_gbps=combine_gbps, target=comm_target(self, min(dispatch_gbps, combine_gbps)))
+        return fields
+
     def summary(self, r: dict) -> str:
+        if r["dispatch_ms"] is None:
+            return ""
         target = f"  [target {r['target']}]" if r["target"] else ""
         return (f"dispatch {r['dispatch_ms']:.3f} ms ({r['dispatch_gbps']:.1f} GB/s), "
                 f"combine {r['combine_ms']:.3f} ms ({r['combine_gbps']:.1f} GB/s){target}")
@@ -320,7 +403,7 @@ def build_cases(args) -> list:
     cases = []
     for ep, shape, tokens, precision, name in itertools.product(
             args.ep, args.shapes, args.tokens, args.precision, args.impl):
-        impl, experts = IMPLS[name], SHAPES[shape][2]
+        impl, experts = IMPLS[name], MODEL_SHAPES[shape].experts
         skip = None
         if experts % ep:
             skip = f"{experts} experts do not split over EP={ep}"
@@ -330,6 +413,8 @@ def build_cases(args) -> list:
             skip = f"{precision} not supported (only {', '.join(impl.precisions)})"
         elif name == "reference" and tokens > ref_limit:
             skip = f"reference runs only up to {ref_limit} tokens (--skip-reference-above)"
+        elif args.no_raw and impl.user is None:
+            skip = "raw ops only (--no-raw)"
         cases.append(Case(len(cases), shape, tokens, ep, precision, name, skip))
     return cases
 
@@ -340,7 +425,7 @@ def build_comm_cases(args) -> list:
     variants = ([("primemoe", sms) for sms in args.num_sms] + [("nccl", None)], [("symm_mem", None)])
     cases = []
     for ep, group, shape in itertools.product([e for e in args.ep if e > 1], variants, args.shapes):
-        experts = SHAPES[shape][2]
+        experts = MODEL_SHAPES[shape].experts
         skip = f"{experts} experts do not split over EP={ep}" if experts % ep else None
         for (impl, sms), tokens in itertools.product(group, args.tokens):
             cases.append(CommCase(len(cases), shape, tokens, ep, "bf16", impl, skip, num_sms=sms))
@@ -360,7 +445,7 @@ class Inputs:
 def make_inputs(shape: str, tokens: int, rank: int, world: int, device, seed: int) -> Inputs:
     """Random bf16 activations (std 1), weights with std 1/sqrt(fan_in), routing from randn logits."""
     from primemoe.routing import route
-    hidden, inter, experts, top_k = SHAPES[shape]
+    hidden, inter, experts, top_k = MODEL_SHAPES[shape].dims
     gen = torch.Generator(device=device)
     gen.manual_seed(seed * 1000 + rank)  # each rank draws its own tokens
 
@@ -376,35 +461,70 @@ def make_inputs(shape: str, tokens: int, rank: int, world: int, device, seed: in
 
 # ---------------------------------------------------------------- timing
 
-def _time(runner, inp: Inputs, args, group, flush_buf) -> tuple:
-    """Per-iteration forward and backward ms of this rank, warm-up dropped."""
-    token = torch.zeros(1, device=inp.x.device)
+def _settle(args) -> None:
+    """Idle ``--settle`` seconds: timed right after a heavier implementation (the baseline, the fp64 reference),
+    primemoe measured up to 6.5% slower on the H200, power-capped and hotter."""
+    torch.cuda.synchronize()
+    time.sleep(args.settle)
 
-    def prepare():
+
+def _time_turns(runners: dict, dy: torch.Tensor, args, group, flush_buf) -> dict:
+    """Per-iteration forward and backward ms on this rank of each runner, warm-up dropped: ``{key: {"fwd": [...],
+    "bwd": [...]}}``, or ``{key: {"error": text}}`` for one that raised (the others go on). The runners take turns
+    within every iteration, in reversed order every other iteration, so that none always runs first or right after
+    the same other one."""
+    token = torch.zeros(1, device=dy.device)
+
+    def region(fn):
         flush_buf.zero_()
         if group is not None:  # align the ranks' GPU timelines before the region starts
             dist.all_reduce(token, group=group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        return out, (start, end)
 
-    # Every implementation starts from the same idle GPU: timed right after a heavier one (the baseline, the fp64
-    # reference), primemoe measured up to 6.5% slower on the H200, power-capped and hotter.
+    order, events, errors = list(runners), {key: [] for key in runners}, {}
+    for i in range(args.warmup + args.iters):
+        for key in (order if i % 2 == 0 else order[::-1]):
+            if key in errors:
+                continue
+            try:
+                state, fwd = region(runners[key].forward)
+                events[key].append((fwd, region(partial(runners[key].backward, state, dy))[1]))
+            except Exception as exc:  # OOM or a failing implementation: record it and go on
+                errors[key] = _error_text(exc)
+            state = None
     torch.cuda.synchronize()
-    time.sleep(args.settle)
-    events = []
-    for _ in range(args.warmup + args.iters):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        prepare()
-        ev[0].record()
-        state = runner.forward()
-        ev[1].record()
-        prepare()
-        ev[2].record()
-        grads = runner.backward(state, inp.dy)
-        ev[3].record()
-        del state, grads
-        events.append(ev)
+
+    def ms(regions):
+        return [start.elapsed_time(end) for start, end in regions]
+    return {key: {"error": errors[key]} if key in errors else
+            {"fwd": ms(f for f, _ in events[key][args.warmup:]), "bwd": ms(b for _, b in events[key][args.warmup:])}
+            for key in runners}
+
+
+def _time(runner, inp: Inputs, args, group, flush_buf) -> tuple:
+    """One runner's per-iteration forward and backward ms on this rank, warm-up dropped (scripts/comm_profile.py)."""
+    run = _time_turns({0: runner}, inp.dy, args, group, flush_buf)[0]
+    if "error" in run:
+        raise RuntimeError(run["error"])
+    return run["fwd"], run["bwd"]
+
+
+def _memory(runner, dy: torch.Tensor) -> dict:
+    """What one forward+backward allocates beyond what is allocated before it (inputs, weights, the flush buffer,
+    caches made by earlier calls): its peak, and what stays allocated from the forward to the backward (y and what
+    autograd saved), in bytes."""
     torch.cuda.synchronize()
-    timed = events[args.warmup:]
-    return [e[0].elapsed_time(e[1]) for e in timed], [e[2].elapsed_time(e[3]) for e in timed]
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    state = runner.forward()
+    saved = torch.cuda.memory_allocated() - before
+    runner.backward(state, dy)
+    del state
+    return {"peak_bytes": torch.cuda.max_memory_allocated() - before, "saved_bytes": saved}
 
 
 def _error_text(exc: BaseException) -> str:
@@ -433,9 +553,9 @@ class _ShapeContext:
             # whichever shape comes first (a value the user set is kept).
             puts = ep_transport(os.environ) == "put"
             largest = max(ep_layout(EpConfig(world, max(self.args.tokens), h, k, e // world, EP_ROW_ALIGN, puts))[1]
-                          for h, _, e, k in map(SHAPES.get, self.args.shapes) if e % world == 0)
+                          for h, _, e, k in (MODEL_SHAPES[s].dims for s in self.args.shapes) if e % world == 0)
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(largest + SYMMETRIC_HEAP_MARGIN))
-            hidden, inter, experts, top_k = SHAPES[self.shape]
+            hidden, inter, experts, top_k = MODEL_SHAPES[self.shape].dims
             self._buffer = primemoe.Buffer(self.group, max_tokens_per_rank=self.max_tokens, hidden=hidden,
                                            intermediate=inter, num_experts=experts, top_k=top_k,
                                            precision=precision, num_sms=num_sms)
@@ -448,50 +568,97 @@ class _ShapeContext:
         self._key = self._buffer = None
 
 
-def _run_one(case: Case, inp: Inputs, args, group, flush_buf, ctx: _ShapeContext) -> dict:
+def _run_user(cases: list, inp: Inputs, args, group, flush_buf, ctx: _ShapeContext) -> dict:
+    """The user path of the implementations of one (shape, tokens, EP, precision), timed in turns after one idle
+    settling, then each one's memory: ``{case index: outcome}``."""
+    runners, runs = {}, {}
+    for case in cases:
+        try:
+            runners[case.index] = _UserPath(case.spec().user(group, case, ctx), inp)
+        except Exception as exc:
+            runs[case.index] = {"error": _error_text(exc)}
+    try:
+        _settle(args)
+        runs.update(_time_turns(runners, inp.dy, args, group, flush_buf))
+    except Exception as exc:  # an error the device reported late, at a synchronisation: no one implementation's
+        runs.update({index: {"error": _error_text(exc)} for index in runners})
+    for index, runner in runners.items():
+        if "error" not in runs[index]:
+            try:
+                runs[index].update(_memory(runner, inp.dy))
+            except Exception as exc:
+                runs[index] = {"error": f"measuring memory: {_error_text(exc)}"}
+    del runners
+    torch.cuda.empty_cache()
+    return runs
+
+
+def _run_raw(case: Case, inp: Inputs, args, group, flush_buf, ctx: _ShapeContext) -> dict:
+    """The raw ops of one implementation, timed alone after idle settling."""
     try:
         runner = case.spec().make(inp, group, case, ctx)
+        _settle(args)
         with torch.no_grad():
-            fwd, bwd = _time(runner, inp, args, group, flush_buf)
-        return {"fwd": fwd, "bwd": bwd}
-    except Exception as exc:  # OOM or a failing implementation: record it and go on
-        return {"error": _error_text(exc), "status": case.spec().failure}
+            return _time_turns({case.index: runner}, inp.dy, args, group, flush_buf)[case.index]
+    except Exception as exc:  # it cannot start, or the device reported an error late
+        return {"error": _error_text(exc)}
     finally:
         torch.cuda.empty_cache()
 
 
+def _run_block(block: list, args, group, flush_buf, ctx: _ShapeContext) -> dict:
+    """This rank's outcomes of the cases of one (shape, tokens) that run, by case index: the user paths first, one
+    precision at a time, then each case's raw ops."""
+    cases = [c for c in block if c.skip is None]
+    if not cases:
+        return {}
+    rank, world = _rank_world(group)
+    try:
+        inp = make_inputs(cases[0].shape, cases[0].tokens, rank, world, flush_buf.device, args.seed)
+        rows = {"routed_rows": int((inp.topk_idx >= 0).sum()),
+                "remote_rows": remote_rows(inp.topk_idx, inp.w1.shape[0], rank)}
+    except Exception as exc:
+        return {c.index: {"error": f"creating inputs: {_error_text(exc)}"} for c in cases}
+    outcomes = {c.index: dict(rows) for c in cases}
+    user = {}
+    for case in cases:
+        if "user" in case.paths(args):
+            user.setdefault(case.precision, []).append(case)
+    for same_precision in user.values():
+        for index, run in _run_user(same_precision, inp, args, group, flush_buf, ctx).items():
+            outcomes[index]["user"] = run
+    for case in cases:
+        if "raw" in case.paths(args):
+            outcomes[case.index]["raw"] = _run_raw(case, inp, args, group, flush_buf, ctx)
+    return outcomes
+
+
 def _result(case: Case, status: str, note: str = "", **fields) -> dict:
-    hidden, inter, experts, top_k = SHAPES[case.shape]
+    hidden, inter, experts, top_k = MODEL_SHAPES[case.shape].dims
     sms = {"num_sms": case.num_sms} if isinstance(case, CommCase) else {}
     return dict(shape=case.shape, hidden=hidden, intermediate=inter, experts=experts, top_k=top_k,
                 tokens=case.tokens, ep=case.ep, precision=case.precision, impl=case.impl, **sms,
                 status=status, note=note, **{**dict.fromkeys(case.METRICS), **fields})
 
 
+def _failures(case: Case, outcomes: list):
+    """(status, note) of each failure in the ranks' outcomes, in rank order."""
+    for rank, outcome in enumerate(outcomes):
+        where = "" if case.ep == 1 else f"rank {rank}: "
+        if "error" in outcome:  # no inputs: nothing ran
+            yield outcome.get("status", "error"), where + outcome["error"]
+        for path, label in case.PATH_LABELS.items():
+            run = outcome.get(path) or {}
+            if "error" in run:
+                yield case.spec().failure, where + (f"{label}: " if label else "") + run["error"]
+
+
 def _summarize(case: Case, outcomes: list) -> dict:
-    """Combine the ranks' outcomes: per iteration the slowest rank, then the median."""
-    errors = [(r, o) for r, o in enumerate(outcomes) if "error" in o]
-    if errors:
-        rank, o = errors[0]
-        return _result(case, o.get("status", "error"), o["error"] if case.ep == 1 else f"rank {rank}: {o['error']}")
-    hidden, inter, _, top_k = SHAPES[case.shape]
-    fwd = statistics.median(map(max, zip(*(o["fwd"] for o in outcomes))))
-    bwd = statistics.median(map(max, zip(*(o["bwd"] for o in outcomes))))
-    routed = statistics.mean(o["routed_rows"] for o in outcomes)
-    remote = statistics.mean(o["remote_rows"] for o in outcomes)
-    if isinstance(case, CommCase):  # each direction moves every remote row once: same bytes both ways
-        remote_bytes = direction_bytes(remote, hidden)
-        dispatch_gbps, combine_gbps = remote_bytes / fwd / 1e6, remote_bytes / bwd / 1e6
-        return _result(case, "ok", dispatch_ms=fwd, combine_ms=bwd, dispatch_gbps=dispatch_gbps,
-                       combine_gbps=combine_gbps, remote_mb=remote_bytes / 1e6,
-                       total_mb=direction_bytes(routed, hidden) / 1e6,
-                       target=comm_target(case, min(dispatch_gbps, combine_gbps)))
-    return _result(
-        case, "ok", fwd_ms=fwd, bwd_ms=bwd,
-        fwd_tflops=fwd_flops(case.tokens, top_k, hidden, inter) / fwd / 1e9,
-        bwd_tflops=bwd_flops(case.tokens, top_k, hidden, inter) / bwd / 1e9,
-        nvlink_gbps=nvlink_bytes(remote, hidden) / fwd / 1e6 if case.ep > 1 else None,
-        routed_rows=round(routed), remote_rows=round(remote))
+    """Combine the ranks' outcomes: the numbers of each path every rank timed, the first failure's status and note."""
+    failure = next(_failures(case, outcomes), None)
+    if any("error" in o for o in outcomes):
+        return _result(case, *failure)
+    return _result(case, *(failure or ("ok",)), **case.metrics(outcomes))
 
 
 def _gather(obj, group) -> list:
@@ -502,44 +669,36 @@ def _gather(obj, group) -> list:
     return out
 
 
+def _rank_world(group) -> tuple:
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
 def _run_cases(cases: list, args, group, report) -> None:
     """Run the cases of one process set on this rank; rank 0 reports each result."""
     device = torch.device("cuda", torch.cuda.current_device())
-    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     flush_buf = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    rank = _rank_world(group)[0]
     for shape, shape_cases in itertools.groupby(cases, key=lambda c: c.shape):
         shape_cases = list(shape_cases)
         ctx = _ShapeContext(args, group, shape, max(c.tokens for c in shape_cases))
-        for tokens, block in itertools.groupby(shape_cases, key=lambda c: c.tokens):
+        for _, block in itertools.groupby(shape_cases, key=lambda c: c.tokens):
             block = list(block)
-            inp, input_error = None, None
-            if any(c.skip is None for c in block):
-                try:
-                    inp = make_inputs(shape, tokens, rank, world, device, args.seed)
-                    rows = {"routed_rows": int((inp.topk_idx >= 0).sum()),
-                            "remote_rows": remote_rows(inp.topk_idx, inp.w1.shape[0], rank)}
-                except Exception as exc:
-                    input_error = f"creating inputs: {_error_text(exc)}"
+            outcomes = _run_block(block, args, group, flush_buf, ctx)
             for case in block:
-                if case.skip is not None:
-                    result = _result(case, "n/a", case.skip)
-                else:
-                    outcome = ({"error": input_error} if input_error else
-                               {**_run_one(case, inp, args, group, flush_buf, ctx), **rows})
-                    result = _summarize(case, _gather(outcome, group))
+                result = (_result(case, "n/a", case.skip) if case.skip is not None else
+                          _summarize(case, _gather(outcomes[case.index], group)))
                 if rank == 0:
                     report(case, result)
-            del inp
             torch.cuda.empty_cache()
         ctx.close()
 
 
 def _progress(case: Case, result: dict, total: int) -> None:
-    head = f"[{case.index + 1}/{total}] {case.label()}:"
-    if result["status"] == "ok":
-        print(f"{head} {case.summary(result)}", flush=True)
-    else:
-        print(f"{head} {result['status']}: {result['note']}", flush=True)
+    """One line: what was measured, then the failure if there was one."""
+    parts = [case.summary(result)]  # empty when nothing was measured
+    if result["status"] != "ok":
+        parts.append(f"{result['status']}: {result['note']}")
+    print(f"[{case.index + 1}/{total}] {case.label()}: {'; '.join(p for p in parts if p)}", flush=True)
 
 
 def _worker(rank: int, world: int, init_method: str, cases: list, args, total: int, results) -> None:
@@ -607,8 +766,15 @@ def _run_ep(cases: list, args, total: int) -> list:
 # and measured (shown as n/a for cases that do not run) when it has a precision.
 COLUMNS = [
     ("shape", "shape", "{}"), ("T/rank", "tokens", "{}"), ("EP", "ep", "{}"), ("prec", "precision", "{}"),
-    ("impl", "impl", "{}"), ("fwd ms", "fwd_ms", "{:.3f}"), ("bwd ms", "bwd_ms", "{:.3f}"),
-    ("fwd TFLOP/s", "fwd_tflops", "{:.1f}"), ("bwd TFLOP/s", "bwd_tflops", "{:.1f}"),
+    ("impl", "impl", "{}"),
+    # the user path, the headline
+    ("fwd ms", "user_fwd_ms", "{:.3f}"), ("bwd ms", "user_bwd_ms", "{:.3f}"),
+    ("fwd TFLOP/s", "user_fwd_tflops", "{:.1f}"), ("bwd TFLOP/s", "user_bwd_tflops", "{:.1f}"),
+    ("peak MiB", "peak_mib", "{:.0f}"), ("peak/baseline", "peak_vs_baseline", "{:.2f}"),
+    ("saved MiB", "saved_mib", "{:.0f}"),
+    # the raw ops
+    ("raw fwd ms", "raw_fwd_ms", "{:.3f}"), ("raw bwd ms", "raw_bwd_ms", "{:.3f}"),
+    ("raw fwd TFLOP/s", "raw_fwd_tflops", "{:.1f}"), ("raw bwd TFLOP/s", "raw_bwd_tflops", "{:.1f}"),
     ("NVLink GB/s", "nvlink_gbps", "{:.1f}"), ("rows/rank", "routed_rows", "{:d}"),
     ("remote rows", "remote_rows", "{:d}"), ("status", "status", "{}"),
 ]
@@ -702,10 +868,18 @@ def _board_note(found: list) -> str:
 
 def _timing_note(args) -> str:
     regions = "dispatch and combine" if args.comm else "forward and backward"
-    settle = f"; {args.settle:g} s idle before each case and implementation"
-    return (f"CUDA events around {regions} separately; {args.warmup} warm-up, median of "
-            f"{args.iters} iterations{settle}; L2 flushed (256 MB write) before every timed region; EP>1: ranks "
-            f"aligned by an all-reduce before each region, iteration time = max over ranks")
+    common = (f"CUDA events around {regions} separately; {args.warmup} warm-up, median of {args.iters} iterations; "
+              "L2 flushed (256 MB write) before every timed region; EP>1: ranks aligned by an all-reduce before each "
+              "region, iteration time = max over ranks")
+    alone = f"{args.settle:g} s idle before each case and implementation"
+    if args.comm:
+        return f"{common}; {alone}"
+    user = ("user path (the headline): moe(x, topk_idx, topk_weights, w1, w2) under grad mode on inputs that require "
+            "grad, then torch.autograd.grad(y, [x, topk_weights, w1, w2], dy); the implementations of a (shape, "
+            "T/rank, EP, precision) take turns in every iteration, in reversed order every other one, after "
+            f"{args.settle:g} s idle and none between them")
+    raw = "raw ops: not timed (--no-raw)" if args.no_raw else f"raw ops: each implementation alone, {alone}"
+    return f"{common}. {user}. {raw}"
 
 
 def metadata(args) -> dict:
@@ -724,12 +898,30 @@ def metadata(args) -> dict:
             targets=COMM_TARGETS)
     else:
         meta.update(
+            fields="user_*: the user path (table: fwd ms, bwd ms, fwd/bwd TFLOP/s); raw_*: the raw ops (table: raw "
+                   "fwd ms, ...); peak_mib, saved_mib, peak_vs_baseline: see memory",
             flops="per GPU: forward 6*T*K*H*I, backward 12*T*K*H*I, T = tokens per rank",
+            memory="one user-path forward+backward after the timed iterations, in MiB: peak_mib = "
+                   "torch.cuda.max_memory_allocated() (peak stats reset first) minus memory_allocated() before it "
+                   "(inputs, weights, the flush buffer, caches of earlier calls); saved_mib = memory_allocated() after "
+                   "the forward minus before (y and what autograd saved); max over ranks; the NVSHMEM symmetric heap "
+                   "and NCCL's buffers are outside torch's allocator and not counted; peak_vs_baseline = peak_mib / "
+                   "the bf16 baseline's at the same shape, T/rank and EP",
             nvlink="forward bytes of remote routed rows (dispatch out + combine back, H*2 bytes each), "
-                   "mean over ranks, / forward time; rows/rank and remote rows are means over ranks")
+                   "mean over ranks, / user-path forward time; rows/rank and remote rows are means over ranks")
     meta["implementations"] = {name: impl.about for name, impl in (COMM_IMPLS if args.comm else IMPLS).items()}
     meta["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     return meta
+
+
+def add_memory_ratios(results: list) -> None:
+    """Sets peak_vs_baseline: each result's peak memory over the baseline's at the same shape, T/rank and EP."""
+    baseline = {(r["shape"], r["tokens"], r["ep"]): r["peak_mib"] for r in results
+                if r["impl"] == "baseline" and r.get("peak_mib")}
+    for r in results:
+        base = baseline.get((r["shape"], r["tokens"], r["ep"]))
+        if base and r.get("peak_mib") is not None:
+            r["peak_vs_baseline"] = r["peak_mib"] / base
 
 
 def _series(r: dict) -> str:
@@ -745,27 +937,32 @@ def write_plot(results: list, path: Path, panels: tuple) -> None:
     except ImportError:
         print("matplotlib is not installed: skipping the plot", flush=True)
         return
-    ok = [r for r in results if r["status"] == "ok"]
+    ok = [r for r in results if r["status"] == "ok" and any(r.get(key) is not None for key, _ in panels)]
     if not ok:
         print("no successful case: skipping the plot", flush=True)
         return
     groups = list(dict.fromkeys((r["shape"], r["tokens"], r["ep"], r["precision"]) for r in ok))
     impls = list(dict.fromkeys(map(_series, ok)))
     width = 0.8 / len(impls)
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(groups)), 8), sharex=True)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.3 * len(groups)), 4 * len(panels)), sharex=True)
     for ax, (key, ylabel) in zip(axes, panels):
         for j, impl in enumerate(impls):
-            points = [(i, r[key]) for i, g in enumerate(groups) for r in ok
-                      if _series(r) == impl and (r["shape"], r["tokens"], r["ep"], r["precision"]) == g]
+            points = [(i, r[key]) for i, g in enumerate(groups) for r in ok if r.get(key) is not None
+                      and _series(r) == impl and (r["shape"], r["tokens"], r["ep"], r["precision"]) == g]
             ax.bar([i + (j - (len(impls) - 1) / 2) * width for i, _ in points], [v for _, v in points],
                    width, label=impl)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
-    axes[1].set_xticks(range(len(groups)), [f"{s}\nT={t} EP={e}\n{p}" for s, t, e, p in groups], fontsize=8)
+    axes[-1].set_xticks(range(len(groups)), [f"{s}\nT={t} EP={e}\n{p}" for s, t, e, p in groups], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def layer_columns(args) -> list:
+    """The table's columns: without the raw ops' under --no-raw."""
+    return [c for c in COLUMNS if not (args.no_raw and c[1].startswith("raw_"))]
 
 
 def write_outputs(results: list, args) -> None:
@@ -776,8 +973,10 @@ def write_outputs(results: list, args) -> None:
         section, columns, notes = "comm", COMM_COLUMNS, ("timing", "bytes", "targets")
         panels = (("dispatch_gbps", "dispatch GB/s per GPU"), ("combine_gbps", "combine GB/s per GPU"))
     else:
-        section, columns, notes = "results", COLUMNS, ("timing", "flops", "nvlink")
-        panels = (("fwd_tflops", "forward TFLOP/s per GPU"), ("bwd_tflops", "backward TFLOP/s per GPU"))
+        section, columns, notes = "results", layer_columns(args), ("timing", "fields", "flops", "memory", "nvlink")
+        panels = (("user_fwd_tflops", "forward TFLOP/s per GPU\n(moe under autograd)"),
+                  ("user_bwd_tflops", "backward TFLOP/s per GPU\n(torch.autograd.grad)"),
+                  ("peak_mib", "peak MiB of one\nforward+backward"))
     (args.out / "results.json").write_text(json.dumps({"metadata": meta, section: results}, indent=2) + "\n")
     md = [f"# primemoe benchmark ({meta['date']})", "",
           *(f"- {k}: {meta[k]}" for k in ("gpu", "gpu_count", "torch", "cuda", "git_commit")),
@@ -811,7 +1010,7 @@ def _seconds(text: str) -> float:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m primemoe.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=TARGET_SHAPES)
+    p.add_argument("--shapes", nargs="+", choices=MODEL_SHAPES, default=TARGET_SHAPES)
     p.add_argument("--tokens", nargs="+", type=_int_from(1), default=[4096, 8192, 16384], help="tokens per rank")
     p.add_argument("--ep", nargs="+", type=_int_from(1), default=[1, 2],
                    help="expert-parallel sizes (one GPU per rank)")
@@ -820,7 +1019,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=_int_from(0), default=5)
     p.add_argument("--iters", type=_int_from(1), default=20, help="timed iterations (median reported)")
     p.add_argument("--settle", type=_seconds, default=2.0,
-                   help="seconds the GPU idles before each case and implementation is timed (default 2)")
+                   help="seconds the GPU idles before each case's user path and each implementation's raw ops "
+                        "(default 2)")
+    p.add_argument("--no-raw", action="store_true",
+                   help="time only the user path, not the raw ops (the reference, raw only, is then n/a; --comm "
+                        "ignores it)")
     p.add_argument("--skip-reference-above", type=_int_from(1), metavar="TOKENS",
                    help="run the reference only up to this many tokens per rank (default: the smallest --tokens)")
     p.add_argument("--seed", type=int, default=0)
@@ -834,18 +1037,20 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def print_cases(cases: list) -> None:
+def print_cases(cases: list, args) -> None:
+    """The cases with their sizes and what is timed of each, then the table's columns."""
     comm = bool(cases) and isinstance(cases[0], CommCase)
     print(f"{len(cases)} communication cases (routed bytes per rank and direction):" if comm else
           f"{len(cases)} cases (FLOPs per rank):")
     for c in cases:
-        hidden, inter, _, top_k = SHAPES[c.shape]
+        hidden, inter, _, top_k = MODEL_SHAPES[c.shape].dims
         if comm:
             sizes = f"{direction_bytes(c.tokens * top_k, hidden) / 1e6:9.1f} MB"
         else:
             flops = (fwd_flops(c.tokens, top_k, hidden, inter), bwd_flops(c.tokens, top_k, hidden, inter))
-            sizes = f"fwd {flops[0] / 1e9:9.1f} GFLOP  bwd {flops[1] / 1e9:9.1f} GFLOP"
+            sizes = f"fwd {flops[0] / 1e9:9.1f} GFLOP  bwd {flops[1] / 1e9:9.1f} GFLOP  {'+'.join(c.paths(args)):<8}"
         print(f"  {c.label():<48} {sizes}  {'run' if c.skip is None else f'n/a: {c.skip}'}")
+    print("columns: " + ", ".join(head for head, _, _ in (COMM_COLUMNS if comm else layer_columns(args))))
 
 
 def main(argv=None) -> int:
@@ -854,7 +1059,7 @@ def main(argv=None) -> int:
     if args.comm and 1 in args.ep:
         print("skip EP=1: --comm times rows moving between GPUs, it needs EP > 1", flush=True)
     if args.dry_run:
-        print_cases(cases)
+        print_cases(cases, args)
         return 0
     if not torch.cuda.is_available():
         print("primemoe.bench: no CUDA GPU visible, nothing to time on CPU "
@@ -881,6 +1086,8 @@ def main(argv=None) -> int:
             _run_cases(block, args, None, report)
         else:
             results += _run_ep(block, args, len(cases))
+    if not args.comm:
+        add_memory_ratios(results)
     write_outputs(results, args)
     return 0
 
