@@ -73,7 +73,7 @@ __device__ __forceinline__ uint4 scaled(const uint4& v, float s) {
   return pack(f);
 }
 
-// At most 64 registers unscaled: 4 blocks per SM, as measured (it came to 69 without the bound).
+// At most 64 registers unscaled: 4 blocks per SM (69 without the bound).
 template <bool kScaled>
 __global__ void __launch_bounds__(kWarpThreads, kScaled ? 2 : 4) gather_rows_kernel(GatherRowsArgs a) {
   const int vecs = a.hidden / kVec, K = a.top_k, lane = threadIdx.x % 32;

@@ -28,22 +28,17 @@ __device__ __forceinline__ float slot_weight(const void* w, ScaleType type, int6
                                       : static_cast<const float*>(w)[slot];
 }
 
-// Row kernels: 16 warps per SM on the Buffer's 16 SMs. 24 SMs x 8 warps looked 1-5% faster for
-// dispatch only while each expert's padding went to the first warps (more SMs got some of it); with
-// the padding spread, dispatch was 0-6% slower that way and combine 3-14% (benchmarks/RESULTS.md,
-// seventh and eighth sessions).
+// Row kernels: 16 warps per SM on the Buffer's 16 SMs; with the padding spread over the warps, 24 SMs x 8 warps
+// made dispatch and combine slower.
 constexpr int kRowThreads = 512;
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
 
-// Blocks of the dispatch rows kernel that zero the padding rows instead of sending (2x H200,
-// benchmarks/RESULTS.md, eighth session). At T = 8192, 15 senders + 1 such block beat 16 senders
-// that zero after their sends by 3-7% (at T = 16384 they were 0-2% slower), and 14 + 2 was 6-8%
-// slower than 15 + 1. But one block stores only ~60 GB/s while 15 senders copy ~600 GB/s (local and
-// remote rows): at T = 4096 it took ~0.56 ms for the 235B shape's 32 MiB of padding, longer than
-// the sends. So it is used only where there is padding (row_align > 1), the routed rows are at least
-// 8x the padding bound E_local * row_align (padding averages half of it), and from 16 blocks on
-// (below, a sender is worth more than the zeroing it would spare the others).
+// Blocks of the dispatch rows kernel that zero the padding rows instead of sending: one such block beside the
+// senders beats senders that zero after their sends, but it stores an order of magnitude slower than the senders
+// copy, so it is used only where there is padding (row_align > 1), the routed rows are at least 8x the padding
+// bound E_local * row_align (padding averages half of it), and from 16 blocks on (below, a sender is worth more
+// than the zeroing it would spare the others).
 int32_t dispatch_pad_blocks(const EpDispatchArgs& a) {
   const int64_t routed_bound = a.num_tokens * a.cfg.top_k;
   const int64_t padding_bound = int64_t(a.cfg.local_experts) * a.cfg.row_align;
