@@ -50,7 +50,7 @@ def extension(archs):
     includes = [str(ROOT / "csrc"), locate.cutlass_include(), str(nvshmem / "include")]
     # After the toolkit's own headers, so only what the toolkit lacks comes from there.
     late_includes = [f"-idirafter{d}" for d in locate.cuda_library_includes()]
-    sources = ["csrc/binding.cpp"] + sorted(
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "binding").glob("*.cpp")) + sorted(
         str(p.relative_to(ROOT)) for d in ("kernels", "runtime") for p in (ROOT / "csrc" / d).glob("*.cu"))
     nvshmem_lib = str(nvshmem / "lib")
     return CUDAExtension(

@@ -59,6 +59,16 @@ def test_put_peers_add_only_the_staging_region_at_the_end():
     assert puts == stores
 
 
+
+def test_layout_is_the_extensions():
+    """ep_layout parses the kernels' own table (ep_regions of ep_workspace.cuh): a line per region, then the total."""
+    config = EpConfig(**HAND_SIZES, put_peers=False)
+    lines = torch.ops.primemoe._ep_workspace_layout(*dataclasses.astuple(config)).splitlines()
+    assert lines[4] == "recv_rows bfloat16 112 21,8" and lines[-1] == "total 864"
+    layout, _ = ep_layout(config)
+    assert list(layout) == [line.split()[0] for line in lines[:-1]]
+    assert layout["recv_rows"][2][0] == config.max_recv_rows
+
 @pytest.mark.parametrize("put_peers", [False, True])
 def test_regions_are_views_at_their_offsets(put_peers):
     sizes = dict(HAND_SIZES, put_peers=put_peers)
@@ -221,8 +231,8 @@ def test_symmetric_heap_has_room_for_the_staging_region_when_puts_are_forced(gro
         monkeypatch.delenv(name, raising=False)  # restored after the test, whatever _start_nvshmem sets
     monkeypatch.setattr(buffer_module, "_bootstrap", None)
     monkeypatch.setattr(buffer_module, "_env_set_here", {})
-    stub = types.SimpleNamespace(nvshmem_unique_id=lambda: "id", nvshmem_init=lambda *args: None,
-                                 ep_workspace_layout=torch.ops.primemoe.ep_workspace_layout)
+    stub = types.SimpleNamespace(_nvshmem_unique_id=lambda: "id", _nvshmem_init=lambda *args: None,
+                                 _ep_workspace_layout=torch.ops.primemoe._ep_workspace_layout)
     monkeypatch.setattr(buffer_module, "lib", stub)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     config = buffer_config(1, **GOOD_SIZES, row_align=128, num_sms=24)

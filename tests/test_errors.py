@@ -117,7 +117,7 @@ def test_out_of_range_id_raises_on_cpu_without_debug(monkeypatch):
         primemoe.moe(**args)
 
 
-# take_error records -> the message check_errors raises (the same text the next primemoe call raises).
+# _take_error records -> the message check_errors raises (the same text the next primemoe call raises).
 DEVICE_ERRORS = {
     (1, 999, 8, 6, 1): "primemoe: topk_idx[6, 1] = 999 is not an expert id (expected -1 or a value in [0, 8)); "
                          "that slot was skipped",
@@ -135,9 +135,9 @@ DEVICE_ERRORS = {
 
 @pytest.mark.parametrize("record", DEVICE_ERRORS)
 def test_device_error_messages(record):
-    assert torch.ops.primemoe.describe_error(list(record)) == DEVICE_ERRORS[record]
+    assert torch.ops.primemoe._describe_error(list(record)) == DEVICE_ERRORS[record]
 
 
 def test_describe_error_rejects_a_short_record():
     with pytest.raises(RuntimeError, match="record: expected the 5 fields"):
-        torch.ops.primemoe.describe_error([1, 2])
+        torch.ops.primemoe._describe_error([1, 2])

@@ -9,6 +9,7 @@
 // once per dispatch by the notify kernel, every flag below is compared against it.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -33,7 +34,7 @@ struct EpConfig {
   }
 };
 
-// Byte offsets of each region inside the symmetric allocation (16-byte aligned).
+// Byte offsets of each region inside the symmetric allocation (16-byte aligned), from ep_regions below.
 struct EpLayout {
   size_t count_matrix;     // int32 [W src][W dest][E_local]: src's send counts, written by src into every rank
   size_t count_flags;      // uint64 [W src]: epoch at which src's counts landed here
@@ -53,27 +54,80 @@ struct EpLayout {
 
 inline size_t ep_align(size_t x) { return (x + 15) / 16 * 16; }
 
-inline EpLayout ep_layout(const EpConfig& c) {
-  EpLayout l{};
+// One region of the workspace: element type, shape and byte offset. ep_regions is the layout's
+// definition; EpLayout holds its offsets for the kernels, and Python reads it (_ep_workspace_layout).
+enum class EpElement : int32_t { kInt32, kUInt64, kBFloat16, kFloat32 };
+
+inline size_t ep_element_bytes(EpElement t) {
+  switch (t) {
+    case EpElement::kUInt64: return 8;
+    case EpElement::kBFloat16: return 2;
+    default: return 4;
+  }
+}
+
+inline const char* ep_element_name(EpElement t) {
+  switch (t) {
+    case EpElement::kInt32: return "int32";
+    case EpElement::kUInt64: return "uint64";
+    case EpElement::kBFloat16: return "bfloat16";
+    default: return "float32";
+  }
+}
+
+struct EpRegion {
+  const char* name;
+  EpElement type;
+  int32_t dims;
+  int64_t shape[3];
+  size_t offset;
+
+  size_t bytes() const {
+    size_t n = ep_element_bytes(type);
+    for (int32_t d = 0; d < dims; ++d) n *= static_cast<size_t>(shape[d]);
+    return n;
+  }
+};
+
+constexpr int kEpRegions = 11;
+
+// The regions in allocation order (EpLayout's fields), each starting 16-byte aligned after the previous one.
+inline std::array<EpRegion, kEpRegions> ep_regions(const EpConfig& c) {
+  const int64_t W = c.world, E = c.local_experts, R = c.max_recv_rows(), S = c.max_slots(), H = c.hidden;
+  std::array<EpRegion, kEpRegions> r = {{
+      {"count_matrix", EpElement::kInt32, 3, {W, W, E}, 0},
+      {"count_flags", EpElement::kUInt64, 1, {W}, 0},
+      {"expert_arrivals", EpElement::kUInt64, 1, {E}, 0},
+      {"combine_flags", EpElement::kUInt64, 1, {W}, 0},
+      {"recv_rows", EpElement::kBFloat16, 2, {R, H}, 0},
+      {"recv_meta", EpElement::kInt32, 1, {R}, 0},
+      {"recv_weights", EpElement::kFloat32, 1, {R}, 0},
+      {"combine_rows", EpElement::kBFloat16, 2, {S, H}, 0},
+      {"combine_scalars", EpElement::kFloat32, 1, {S}, 0},
+      {"scratch", EpElement::kInt32, 2, {4, W * E}, 0},
+      {"stage_rows", EpElement::kBFloat16, 2, {c.put_peers ? R : 0, H}, 0},
+  }};
   size_t at = 0;
-  auto take = [&at](size_t bytes) {
-    const size_t here = at;
-    at = ep_align(at + bytes);
-    return here;
-  };
-  const size_t W = c.world, E = c.local_experts, R = c.max_recv_rows(), S = c.max_slots(), H = c.hidden;
-  l.count_matrix = take(W * W * E * sizeof(int32_t));
-  l.count_flags = take(W * sizeof(uint64_t));
-  l.expert_arrivals = take(E * sizeof(uint64_t));
-  l.combine_flags = take(W * sizeof(uint64_t));
-  l.recv_rows = take(R * H * 2);
-  l.recv_meta = take(R * sizeof(int32_t));
-  l.recv_weights = take(R * sizeof(float));
-  l.combine_rows = take(S * H * 2);
-  l.combine_scalars = take(S * sizeof(float));
-  l.scratch = take(4 * W * E * sizeof(int32_t));
-  l.stage_rows = take(c.put_peers ? R * H * 2 : 0);
-  l.total = at;
+  for (EpRegion& region : r) {
+    region.offset = at;
+    at = ep_align(at + region.bytes());
+  }
+  return r;
+}
+
+// Bytes of the whole workspace: the end of the last region, aligned.
+inline size_t ep_total_bytes(const std::array<EpRegion, kEpRegions>& r) {
+  return ep_align(r[kEpRegions - 1].offset + r[kEpRegions - 1].bytes());
+}
+
+inline EpLayout ep_layout(const EpConfig& c) {
+  const auto r = ep_regions(c);
+  EpLayout l{};
+  size_t* fields[kEpRegions] = {&l.count_matrix, &l.count_flags,  &l.expert_arrivals, &l.combine_flags,
+                                &l.recv_rows,    &l.recv_meta,    &l.recv_weights,    &l.combine_rows,
+                                &l.combine_scalars, &l.scratch, &l.stage_rows};
+  for (int i = 0; i < kEpRegions; ++i) *fields[i] = r[i].offset;
+  l.total = ep_total_bytes(r);
   return l;
 }
 

@@ -59,9 +59,9 @@ def check_errors(device=None) -> None:
         return
     index = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     torch.cuda.synchronize(index)
-    record = torch.ops.primemoe.take_error(index.index if index.index is not None else torch.cuda.current_device())
+    record = torch.ops.primemoe._take_error(index.index if index.index is not None else torch.cuda.current_device())
     if record:
-        raise DeviceError(torch.ops.primemoe.describe_error(record))
+        raise DeviceError(torch.ops.primemoe._describe_error(record))
 
 
 from . import nn  # noqa: E402,F401  (nn.MoE calls moe)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
+from ._constants import MAX_LOCAL_EXPERTS, layout_max_rows
 from ._validate import check_precision
 
 __all__ = ["Buffer", "EpConfig", "buffer_config", "ep_layout", "ep_region", "ep_transport", "nvshmem_environment"]
@@ -47,8 +48,8 @@ _INT32_MAX = 2 ** 31 - 1
 # Dispatch/combine SMs: on 2x H200 (NVLink) both directions moved more bytes per second with 16 than
 # with 24 at >= 8192 tokens per rank (benchmarks/RESULTS.md, fourth session).
 DEFAULT_NUM_SMS = 16
-# kLayoutMaxLocalExperts of csrc/kernels/dispatch_layout.cuh (the send-side layout spans all experts)
-MAX_EXPERTS = 1024
+# The send-side layout spans all experts of the group.
+MAX_EXPERTS = MAX_LOCAL_EXPERTS
 EP_TRANSPORTS = ("auto", "put")
 
 
@@ -70,34 +71,29 @@ class EpConfig:
 
     @property
     def max_recv_rows(self) -> int:
-        return self.world * self.max_slots + self.local_experts * (self.row_align - 1)
+        """Rows of the receive layout: every slot of every rank, each local expert padded."""
+        return layout_max_rows(self.world * self.max_slots, self.local_experts, self.row_align)
+
+
+# Element types of the regions; the uint64 counters and flags are viewed as int64 (the same bytes; torch has few
+# uint64 kernels).
+_ELEMENT_DTYPES = {"int32": torch.int32, "uint64": torch.int64, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def ep_layout(config: EpConfig) -> Tuple[Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]], int]:
-    """``({name: (byte offset, dtype, shape)}, total bytes)`` of the workspace. The offsets come
-    from the kernels' own layout (csrc/runtime/ep_workspace.cuh, via ``ep_workspace_layout``);
-    this table only names the regions' element types and shapes, in declaration order."""
-    W, E, H = config.world, config.local_experts, config.hidden
-    R, S = config.max_recv_rows, config.max_slots
-    regions = (
-        ("count_matrix", torch.int32, (W, W, E)),
-        ("count_flags", torch.int64, (W,)),
-        ("expert_arrivals", torch.int64, (E,)),
-        ("combine_flags", torch.int64, (W,)),
-        ("recv_rows", torch.bfloat16, (R, H)),
-        ("recv_meta", torch.int32, (R,)),
-        ("recv_weights", torch.float32, (R,)),
-        ("combine_rows", torch.bfloat16, (S, H)),
-        ("combine_scalars", torch.float32, (S,)),
-        ("scratch", torch.int32, (4, W * E)),
-        ("stage_rows", torch.bfloat16, (R if config.put_peers else 0, H)),
-    )
-    *offsets, total = lib.ep_workspace_layout(W, config.max_tokens, H, config.top_k, E, config.row_align,
-                                              config.put_peers)
-    if len(offsets) != len(regions):
-        raise RuntimeError(f"workspace layout: the extension names {len(offsets)} regions, this module "
-                           f"{len(regions)}; python/ and the built extension are out of step")
-    layout = {name: (offset, dtype, shape) for (name, dtype, shape), offset in zip(regions, offsets)}
+    """``({name: (byte offset, dtype, shape)}, total bytes)`` of the workspace, in allocation order: the
+    kernels' own layout (``ep_regions`` of csrc/runtime/ep_workspace.cuh, through ``_ep_workspace_layout``)."""
+    text = lib._ep_workspace_layout(config.world, config.max_tokens, config.hidden, config.top_k,
+                                    config.local_experts, config.row_align, config.put_peers)
+    layout: Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]] = {}
+    total = -1
+    for line in text.splitlines():
+        name, *fields = line.split()
+        if name == "total":
+            total = int(fields[0])
+        else:
+            element, offset, shape = fields
+            layout[name] = (int(offset), _ELEMENT_DTYPES[element], tuple(int(n) for n in shape.split(",")))
     return layout, total
 
 
@@ -127,7 +123,7 @@ def ep_transport(env: Mapping[str, str]) -> str:
 
 def nvshmem_environment(env: Mapping[str, str], hostnames: Sequence[str],
                         workspace_bytes: int) -> Tuple[Dict[str, str], List[str]]:
-    """The NVSHMEM_* variables to set before ``nvshmem_init`` and the warnings to give.
+    """The NVSHMEM_* variables to set before ``_nvshmem_init`` and the warnings to give.
 
     NVLink multicast (NVLS) is always disabled, overriding the user. Every other
     variable the user set is kept; unset ones get: no remote transport when all ranks
@@ -216,10 +212,10 @@ def _start_nvshmem(group, rank: int, world: int, device: int, config: EpConfig, 
         os.environ[name] = value
         _env_set_here[name] = value
 
-    holder = [lib.nvshmem_unique_id() if rank == 0 else None]
+    holder = [lib._nvshmem_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(holder, group=group, group_src=0)
     with torch.cuda.device(device):
-        lib.nvshmem_init(holder[0], rank, world)
+        lib._nvshmem_init(holder[0], rank, world)
     _bootstrap = (tuple(dist.get_process_group_ranks(group)), device)
 
 
@@ -279,13 +275,13 @@ class Buffer:
         try:
             with torch.cuda.device(self.device):
                 # Probed on every rank (collective) and agreed on, so the workspace has one size everywhere.
-                self.put_peers = _on_any_rank(group, lib.nvshmem_peers_need_put() or force_put)
+                self.put_peers = _on_any_rank(group, lib._nvshmem_peers_need_put() or force_put)
                 config = replace(config, put_peers=self.put_peers)
                 layout, self.nbytes = ep_layout(config)
-                self.workspace = lib.ep_workspace_alloc(self.nbytes)
+                self.workspace = lib._ep_workspace_alloc(self.nbytes)
         except RuntimeError as error:
             if not _open_buffers:
-                lib.nvshmem_finalize()
+                lib._nvshmem_finalize()
             raise RuntimeError(
                 f"primemoe.Buffer: could not allocate the symmetric workspace "
                 f"(NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE')!r} must hold every open "
@@ -341,9 +337,9 @@ class Buffer:
             workspace = self.workspace
             del self.workspace, self._regions, self.epoch
             _open_buffers.remove(self)
-            lib.ep_workspace_free(workspace)
+            lib._ep_workspace_free(workspace)
             if not _open_buffers:
-                lib.nvshmem_finalize()
+                lib._nvshmem_finalize()
 
     def _check_open(self) -> None:
         if self.closed:

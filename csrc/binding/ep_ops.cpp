@@ -1,0 +1,221 @@
+// The expert-parallel runtime: NVSHMEM bootstrap, the symmetric workspace (its layout from
+// runtime/ep_workspace.cuh), ep_dispatch and ep_combine.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "common.h"
+#include "kernels/dispatch_layout.cuh"
+#include "runtime/ep_kernels.cuh"
+#include "runtime/ep_workspace.cuh"
+#include "runtime/nvshmem_runtime.cuh"
+
+namespace primemoe {
+namespace {
+
+at::Tensor nvshmem_unique_id_op() {
+  auto id = at::empty({static_cast<int64_t>(nvshmem_unique_id_size())}, at::TensorOptions().dtype(at::kByte));
+  PRIMEMOE_CHECK(nvshmem_make_unique_id(id.data_ptr()) == 0, "nvshmem: could not create a unique id");
+  return id;
+}
+
+void nvshmem_init_op(const at::Tensor& unique_id, int64_t rank, int64_t world) {
+  PRIMEMOE_CHECK(unique_id.scalar_type() == at::kByte && unique_id.is_cpu() &&
+                     unique_id.numel() == static_cast<int64_t>(nvshmem_unique_id_size()),
+                 "unique_id: expected the uint8 CPU tensor made by _nvshmem_unique_id");
+  PRIMEMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "rank: expected 0 <= rank < world, got rank ", rank,
+                 " of ", world);
+  PRIMEMOE_CHECK(!nvshmem_is_initialized(), "nvshmem: already initialised in this process");
+  const auto contiguous = unique_id.contiguous();
+  const int status = nvshmem_bootstrap(contiguous.data_ptr(), static_cast<int>(rank), static_cast<int>(world));
+  PRIMEMOE_CHECK(status == 0, "nvshmem: initialisation failed with status ", status, " on rank ", rank, " of ", world,
+                 " (NVSHMEM_DEBUG=INFO shows why; without InfiniBand set NVSHMEM_REMOTE_TRANSPORT=none)");
+}
+
+void nvshmem_finalize_op() {
+  if (nvshmem_is_initialized()) nvshmem_shutdown();
+}
+
+// Collective (a small symmetric allocation): whether some peer is not reachable by load/store from here.
+bool nvshmem_peers_need_put_op() {
+  PRIMEMOE_CHECK(nvshmem_is_initialized(), "nvshmem: call _nvshmem_init before probing the peers");
+  const int status = nvshmem_peers_need_put();
+  PRIMEMOE_CHECK(status >= 0, "nvshmem: could not allocate 16 bytes of symmetric memory to probe the peers");
+  return status == 1;
+}
+
+EpConfig ep_config(int64_t rank, int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k,
+                   int64_t local_experts, int64_t row_align, bool put_peers, bool force_put) {
+  PRIMEMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "rank: expected 0 <= rank < world");
+  PRIMEMOE_CHECK(max_tokens >= 1 && hidden >= 8 && hidden % 8 == 0 && top_k >= 1 && local_experts >= 1 &&
+                     row_align >= 1,
+                 "ep: expected positive sizes and a hidden size that is a multiple of 8");
+  PRIMEMOE_CHECK(world * local_experts <= kLayoutMaxLocalExperts, "ep: at most ", kLayoutMaxLocalExperts,
+                 " experts in all, got ", world * local_experts);
+  PRIMEMOE_CHECK(put_peers || !force_put, "ep: force_put needs the put staging region (put_peers=True)");
+  EpConfig c{static_cast<int32_t>(rank),       static_cast<int32_t>(world),  static_cast<int32_t>(max_tokens),
+             static_cast<int32_t>(hidden),     static_cast<int32_t>(top_k),  static_cast<int32_t>(local_experts),
+             static_cast<int32_t>(row_align),  put_peers,                    force_put};
+  PRIMEMOE_CHECK(c.max_recv_rows() < (int64_t(1) << 31), "ep: max_tokens * top_k * world exceeds 32-bit row indices");
+  return c;
+}
+
+// One line per region of ep_regions, "name element offset d0,d1,...", then "total bytes": python/primemoe/buffer.py
+// takes the typed views of the workspace from here.
+std::string ep_workspace_layout_op(int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k,
+                                   int64_t local_experts, int64_t row_align, bool put_peers) {
+  const auto regions =
+      ep_regions(ep_config(0, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers, false));
+  std::string out;
+  for (const EpRegion& r : regions) {
+    out += std::string(r.name) + " " + ep_element_name(r.type) + " " + std::to_string(r.offset) + " ";
+    for (int32_t d = 0; d < r.dims; ++d) out += (d ? "," : "") + std::to_string(r.shape[d]);
+    out += "\n";
+  }
+  return out + "total " + std::to_string(ep_total_bytes(regions)) + "\n";
+}
+
+at::Tensor ep_workspace_alloc_op(int64_t nbytes) {
+  PRIMEMOE_CHECK(nvshmem_is_initialized(), "nvshmem: call _nvshmem_init before allocating the workspace");
+  PRIMEMOE_CHECK(nbytes > 0, "nbytes: expected > 0");
+  void* ptr = nvshmem_alloc_symmetric(static_cast<size_t>(nbytes));
+  PRIMEMOE_CHECK(ptr != nullptr, "nvshmem: could not allocate ", nbytes,
+                 " bytes of symmetric memory (raise NVSHMEM_SYMMETRIC_SIZE)");
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaMemset(ptr, 0, static_cast<size_t>(nbytes)), "cudaMemset");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  // The Buffer frees it collectively through _ep_workspace_free; the tensor never owns it.
+  return at::from_blob(ptr, {nbytes}, [](void*) {}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+}
+
+void ep_workspace_free_op(const at::Tensor& workspace) {
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  nvshmem_free_symmetric(workspace.data_ptr());
+}
+
+EpScratch ep_scratch(uint8_t* ws, const EpLayout& l, const EpConfig& c) {
+  int32_t* base = reinterpret_cast<int32_t*>(ws + l.scratch);
+  const int64_t pairs = int64_t(c.world) * c.local_experts;
+  return {base, base + pairs, base + 2 * pairs, base + 3 * pairs};
+}
+
+void check_workspace(const at::Tensor& ws, const at::Tensor& epoch, const EpConfig& c, const EpLayout& l) {
+  PRIMEMOE_CHECK(ws.is_cuda() && ws.scalar_type() == at::kByte && ws.numel() >= static_cast<int64_t>(l.total),
+                 "workspace: expected the Buffer's uint8 CUDA workspace of at least ", static_cast<int64_t>(l.total),
+                 " bytes");
+  PRIMEMOE_CHECK(nvshmem_is_initialized(), "nvshmem: not initialised (the workspace comes from a primemoe.Buffer)");
+  // Without the staging region a peer that needs puts could not be written at all.
+  PRIMEMOE_CHECK(c.put_peers || nvshmem_all_peers_mapped(ws.data_ptr()),
+                 "workspace: not NVSHMEM symmetric memory, or some peer is not reachable by load/store and "
+                 "put_peers is false");
+  PRIMEMOE_CHECK(epoch.is_cuda() && epoch.scalar_type() == at::kLong && epoch.numel() == 1,
+                 "epoch: expected a 1-element int64 CUDA tensor");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& workspace, at::Tensor& epoch,
+                                                                 const at::Tensor& x, const at::Tensor& topk_idx,
+                                                                 const at::Tensor& topk_weights, int64_t rank,
+                                                                 int64_t world, int64_t max_tokens,
+                                                                 int64_t local_experts, int64_t row_align,
+                                                                 int64_t num_sms, bool wait_arrivals, bool put_peers,
+                                                                 bool force_put) {
+  check_rows(x, "x");
+  const EpConfig c = ep_config(rank, world, max_tokens, x.size(1), topk_idx.size(1), local_experts, row_align,
+                               put_peers, force_put);
+  const EpLayout l = ep_layout(c);
+  check_workspace(workspace, epoch, c, l);
+  PRIMEMOE_CHECK(x.size(0) <= max_tokens, "x: ", x.size(0), " tokens exceed the buffer's max_tokens_per_rank ",
+                 max_tokens);
+  PRIMEMOE_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights: expected the shape of topk_idx");
+  PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
+  const int64_t experts = world * local_experts;
+  auto slot_valid = at::empty(topk_idx.sizes(), topk_idx.options().dtype(at::kBool));
+  auto [send_counts, send_offsets, slot_to_row, row_to_slot] =
+      launch_layout(topk_idx, experts, 0, experts, 1, slot_valid.data_ptr<bool>());
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto opts = x.options().dtype(at::kInt);
+  auto expert_counts = at::empty({local_experts}, opts);
+  auto expert_offsets = at::empty({local_experts + 1}, opts);
+  EpDispatchArgs a{};
+  a.cfg = c;
+  a.layout = l;
+  a.workspace = workspace.data_ptr<uint8_t>();
+  a.epoch = epoch.data_ptr<int64_t>();
+  a.x = x.data_ptr();
+  a.topk_idx = topk_idx.data_ptr();
+  a.idx_is_int64 = topk_idx.scalar_type() == at::kLong;
+  a.topk_weights = topk_weights.data_ptr();
+  a.weight_type = scale_type_of(topk_weights, "topk_weights");
+  a.num_tokens = x.size(0);
+  a.send_counts = send_counts.data_ptr<int32_t>();
+  a.send_offsets = send_offsets.data_ptr<int32_t>();
+  a.send_row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.scratch = ep_scratch(a.workspace, l, c);
+  a.expert_counts = expert_counts.data_ptr<int32_t>();
+  a.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  a.num_blocks = static_cast<int32_t>(num_sms);
+  a.wait_arrivals = wait_arrivals;
+  a.timeout_ns = wait_timeout_ns();
+  a.error = error_record_for(x);
+  check_cuda(launch_ep_dispatch(a, c10::cuda::getCurrentCUDAStream()), "ep_dispatch");
+  return {expert_counts, expert_offsets, slot_valid};
+}
+
+void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor& rows,
+                     const std::optional<at::Tensor>& row_scalars, const at::Tensor& expert_offsets, int64_t rank,
+                     int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t local_experts,
+                     int64_t row_align, int64_t num_sms, bool put_peers, bool force_put) {
+  const EpConfig c = ep_config(rank, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers,
+                               force_put);
+  const EpLayout l = ep_layout(c);
+  check_workspace(workspace, epoch, c, l);
+  check_rows(rows, "rows");
+  PRIMEMOE_CHECK(rows.size(0) >= c.max_recv_rows() && rows.size(1) == hidden, "rows: expected [",
+                 c.max_recv_rows(), ", ", hidden, "] in the receive layout, got ", rows.sizes());
+  check_index(expert_offsets, "expert_offsets", 1);
+  PRIMEMOE_CHECK(expert_offsets.numel() == local_experts + 1, "expert_offsets: expected ", local_experts + 1,
+                 " entries");
+  if (row_scalars.has_value()) {
+    PRIMEMOE_CHECK(row_scalars->scalar_type() == at::kFloat && row_scalars->is_contiguous() &&
+                       row_scalars->numel() >= c.max_recv_rows(),
+                   "row_scalars: expected a contiguous float32 tensor with one value per receive row");
+  }
+  PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  EpCombineArgs a{};
+  a.cfg = c;
+  a.layout = l;
+  a.workspace = workspace.data_ptr<uint8_t>();
+  a.epoch = epoch.data_ptr<int64_t>();
+  a.rows = rows.data_ptr();
+  a.row_scalars = row_scalars.has_value() ? row_scalars->data_ptr<float>() : nullptr;
+  a.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  a.scratch = ep_scratch(a.workspace, l, c);
+  a.num_blocks = static_cast<int32_t>(num_sms);
+  a.timeout_ns = wait_timeout_ns();
+  a.error = error_record_for(rows);
+  check_cuda(launch_ep_combine(a, c10::cuda::getCurrentCUDAStream()), "ep_combine");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
+  m.impl("ep_dispatch", &ep_dispatch_cuda);
+  m.impl("ep_combine", &ep_combine_cuda);
+}
+
+// Host-side ops (no kernel of their own): registered for every backend.
+TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
+  m.impl("_nvshmem_unique_id", &nvshmem_unique_id_op);
+  m.impl("_nvshmem_init", &nvshmem_init_op);
+  m.impl("_nvshmem_finalize", &nvshmem_finalize_op);
+  m.impl("_nvshmem_peers_need_put", &nvshmem_peers_need_put_op);
+  m.impl("_ep_workspace_layout", &ep_workspace_layout_op);
+  m.impl("_ep_workspace_alloc", &ep_workspace_alloc_op);
+  m.impl("_ep_workspace_free", &ep_workspace_free_op);
+}
+
+}  // namespace primemoe

@@ -1,0 +1,344 @@
+// The expert GEMMs over the routing layout: expert_gemm, fc1_swiglu, fc2_dgrad_swiglu, expert_wgrad,
+// expert_gemm_unsupported, and the test-only _gemm_force_config. Each CUDA impl is checks, then
+// GroupedGemmArgs, then the engine's launcher (gemm/grouped_gemm.cuh).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "common.h"
+#include "gemm/grouped_gemm.cuh"
+
+namespace primemoe {
+namespace {
+
+void check_offsets(const at::Tensor& offsets, const at::Tensor& like, int64_t num_experts) {
+  check_index(offsets, "expert_offsets", 1);
+  PRIMEMOE_CHECK(offsets.numel() == num_experts + 1, "expert_offsets: expected ", num_experts + 1,
+                 " entries (one per expert + 1), got ", offsets.numel());
+  PRIMEMOE_CHECK(offsets.device() == like.device(), "expert_offsets: expected it on the operands' device");
+}
+
+void check_weights3(const at::Tensor& w, const char* name) {
+  PRIMEMOE_CHECK(w.dim() == 3, name, ": expected a 3-D tensor [E, out, in], got ", w.sizes());
+  PRIMEMOE_CHECK(w.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", w.scalar_type());
+  PRIMEMOE_CHECK(w.is_contiguous(), name, ": expected a contiguous tensor");
+  check_aligned(w, name);
+}
+
+// zero_unrouted (kRows): output rows past the routed ones are written as zeros, else left unwritten.
+GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at::Tensor& a, const at::Tensor& b,
+                          bool b_k_major, int64_t m, int64_t n, int64_t k, const at::Tensor& offsets,
+                          const at::Tensor& out, bool zero_unrouted) {
+  GroupedGemmArgs g{};
+  g.schedule = schedule;
+  g.epilogue = epilogue;
+  g.a = a.data_ptr();
+  g.b = b.data_ptr();
+  g.b_k_major = b_k_major;
+  g.num_rows = a.size(0);
+  g.zero_unrouted = zero_unrouted;
+  g.m = static_cast<int32_t>(m);
+  g.n = static_cast<int32_t>(n);
+  g.k = static_cast<int32_t>(k);
+  g.num_experts = static_cast<int32_t>(offsets.numel() - 1);
+  g.expert_offsets = offsets.data_ptr<int32_t>();
+  g.out = out.data_ptr();
+  g.num_sms = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
+  return g;
+}
+
+// Set by _gemm_force_config (tests): the config of this thread's next launches instead of the heuristics'.
+thread_local std::optional<GemmConfig> forced_config;
+
+void gemm_force_config_op(int64_t claim_tiles, int64_t merge_tails) {
+  if (claim_tiles == -1 && merge_tails == -1) {
+    forced_config.reset();
+    return;
+  }
+  PRIMEMOE_CHECK((claim_tiles == 0 || claim_tiles == 1) && (merge_tails == 0 || merge_tails == 1),
+                 "_gemm_force_config: expected claim_tiles and merge_tails both 0 or 1 (both -1 clears), got ",
+                 claim_tiles, " and ", merge_tails);
+  GemmConfig config{};
+  config.claim_tiles = claim_tiles == 1;
+  config.merge_tails = merge_tails == 1;
+  forced_config = config;
+}
+
+void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
+  const char* why = "";
+  PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
+  const GemmConfig config = forced_config.has_value() ? *forced_config : choose_gemm_config(g);
+  PRIMEMOE_CHECK(gemm_config_built(g, config), "primemoe: ", what, ": no kernel is built for GemmConfig{claim_tiles=",
+                 int(config.claim_tiles), ", merge_tails=", int(config.merge_tails), "} (",
+                 forced_config.has_value() ? "forced by _gemm_force_config" : "chosen by choose_gemm_config", ")");
+  GroupedGemmArgs args = g;
+  at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
+  if (config.claim_tiles) {
+    counter = at::zeros({1}, like.options().dtype(at::kInt));
+    args.tile_counter = counter.data_ptr<int32_t>();
+  }
+  check_cuda(launch_grouped_gemm(args, config, c10::cuda::getCurrentCUDAStream()), what);
+}
+
+// rows [R, K] x w[e] for each expert's rows: w is [E, N, K] (w_kn = false) or [E, K, N].
+void check_expert_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+  check_rows(rows, "rows");
+  check_weights3(w, "w");
+  check_same_device(w, rows, "w");
+  check_offsets(offsets, rows, w.size(0));
+  const int64_t k = w_kn ? w.size(1) : w.size(2);
+  PRIMEMOE_CHECK(rows.size(1) == k, "rows: expected ", k, " columns (w's reduction size), got ", rows.size(1));
+}
+
+void check_row_weight(const std::optional<at::Tensor>& row_weight, const at::Tensor& rows) {
+  if (!row_weight.has_value()) return;
+  PRIMEMOE_CHECK(row_weight->dim() == 1 && row_weight->numel() == rows.size(0) &&
+                     row_weight->scalar_type() == at::kFloat && row_weight->is_contiguous(),
+                 "row_weight: expected a contiguous float32 vector of ", rows.size(0), " entries");
+  check_same_device(*row_weight, rows, "row_weight");
+}
+
+at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
+                            const std::optional<at::Tensor>& row_weight, bool zero_unrouted) {
+  check_expert_gemm_args(rows, w, offsets, w_kn);
+  check_row_weight(row_weight, rows);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const int64_t n = w_kn ? w.size(2) : w.size(1);
+  auto out = at::empty({rows.size(0), n}, rows.options());
+  if (rows.size(0) == 0) return out;
+  auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kStore, rows, w, !w_kn, 0, n, rows.size(1), offsets, out,
+                     zero_unrouted);
+  g.row_weight = row_weight.has_value() ? row_weight->data_ptr<float>() : nullptr;
+  run_gemm(g, rows, "expert_gemm");
+  return out;
+}
+
+// fp32 products of each expert's rows with its weight; rows outside every expert stay 0.
+at::Tensor expert_products_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+  const int64_t n = w_kn ? w.size(2) : w.size(1);
+  auto out = at::zeros({rows.size(0), n}, rows.options().dtype(at::kFloat));
+  auto off = offsets.accessor<int32_t, 1>();
+  for (int64_t e = 0; e + 1 < offsets.numel(); ++e) {
+    if (off[e + 1] == off[e]) continue;
+    auto we = w_kn ? w[e].to(at::kFloat) : w[e].to(at::kFloat).t();
+    out.slice(0, off[e], off[e + 1]) = at::matmul(rows.slice(0, off[e], off[e + 1]).to(at::kFloat), we);
+  }
+  return out;
+}
+
+// On the CPU the rows past the routed ones are zeros either way (zeros are one of the undefined values).
+at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
+                           const std::optional<at::Tensor>& row_weight, bool) {
+  check_expert_gemm_args(rows, w, offsets, w_kn);
+  check_row_weight(row_weight, rows);
+  auto out = expert_products_cpu(rows, w, offsets, w_kn);
+  if (row_weight.has_value()) out *= row_weight->unsqueeze(1);
+  return out.to(at::kBFloat16);
+}
+
+void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets) {
+  check_expert_gemm_args(rows, w1, offsets, false);
+  PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
+}
+
+// The optional wait hook: before loading expert e's rows, the GEMM's producer waits until
+// rows_ready[e] >= epoch[0] * per_epoch (the EP workspace's arrival counters).
+void check_rows_ready(const std::optional<at::Tensor>& rows_ready, const std::optional<at::Tensor>& epoch,
+                      const at::Tensor& w1, int64_t per_epoch) {
+  if (!rows_ready.has_value()) {
+    PRIMEMOE_CHECK(!epoch.has_value(), "epoch: only meaningful together with rows_ready");
+    return;
+  }
+  PRIMEMOE_CHECK(epoch.has_value(), "epoch: required with rows_ready");
+  for (const auto& [t, name] : {std::pair{*rows_ready, "rows_ready"}, std::pair{*epoch, "epoch"}}) {
+    PRIMEMOE_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), name,
+                   ": expected a contiguous int64 vector");
+    PRIMEMOE_CHECK(t.device() == w1.device(), name, ": expected it on the operands' device");
+  }
+  PRIMEMOE_CHECK(rows_ready->numel() == w1.size(0), "rows_ready: expected one counter per expert (",
+                 w1.size(0), "), got ", rows_ready->numel());
+  PRIMEMOE_CHECK(epoch->numel() == 1, "epoch: expected one element, got ", epoch->numel());
+  PRIMEMOE_CHECK(per_epoch >= 1, "per_epoch: expected >= 1, got ", per_epoch);
+}
+
+std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const at::Tensor& w1,
+                                                   const at::Tensor& offsets, bool keep_fc1,
+                                                   const std::optional<at::Tensor>& rows_ready,
+                                                   const std::optional<at::Tensor>& epoch, int64_t per_epoch,
+                                                   int64_t rank, bool zero_unrouted) {
+  check_fc1_args(rows, w1, offsets);
+  check_rows_ready(rows_ready, epoch, w1, per_epoch);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const int64_t inter = w1.size(1) / 2;
+  auto a = at::empty({rows.size(0), inter}, rows.options());
+  auto h = at::empty({keep_fc1 ? rows.size(0) : 0, 2 * inter}, rows.options());
+  if (rows.size(0) == 0) return {a, h};
+  auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, rows, w1, true, 0, inter, rows.size(1), offsets, a,
+                     zero_unrouted);
+  g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
+  if (rows_ready.has_value()) {
+    g.hook.counters = reinterpret_cast<const uint64_t*>(rows_ready->data_ptr<int64_t>());
+    g.hook.epoch = epoch->data_ptr<int64_t>();
+    g.hook.per_epoch = static_cast<uint64_t>(per_epoch);
+    g.hook.rank = static_cast<int32_t>(rank);
+    g.hook.timeout_ns = wait_timeout_ns();
+    g.error = error_record_for(rows);  // where a timed-out wait is reported
+  }
+  run_gemm(g, rows, "fc1_swiglu");
+  return {a, h};
+}
+
+// On the CPU every row is in memory already: the wait hook's arguments are checked, nothing waits.
+std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cpu(const at::Tensor& rows, const at::Tensor& w1,
+                                                  const at::Tensor& offsets, bool keep_fc1,
+                                                  const std::optional<at::Tensor>& rows_ready,
+                                                  const std::optional<at::Tensor>& epoch, int64_t per_epoch,
+                                                  int64_t, bool) {
+  check_fc1_args(rows, w1, offsets);
+  check_rows_ready(rows_ready, epoch, w1, per_epoch);
+  const int64_t inter = w1.size(1) / 2;
+  auto h = expert_products_cpu(rows, w1, offsets, false).to(at::kBFloat16);
+  auto hf = h.to(at::kFloat);
+  auto a = (at::silu(hf.slice(1, 0, inter)) * hf.slice(1, inter)).to(at::kBFloat16);
+  return {a, keep_fc1 ? h : h.slice(0, 0, 0).contiguous()};
+}
+
+void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const at::Tensor& h,
+                          const at::Tensor& row_weight, const at::Tensor& offsets) {
+  check_expert_gemm_args(dy_rows, w2, offsets, true);
+  check_rows(h, "h");
+  check_same_device(h, dy_rows, "h");
+  const int64_t inter = w2.size(2);
+  PRIMEMOE_CHECK(h.size(0) == dy_rows.size(0) && h.size(1) == 2 * inter, "h: expected [", dy_rows.size(0), ", ",
+                 2 * inter, "], got ", h.sizes());
+  check_row_weight(row_weight, dy_rows);
+  PRIMEMOE_CHECK(inter % kGemmTileN == 0, "w2: the intermediate size must be a multiple of ", kGemmTileN, ", got ",
+                 inter);
+}
+
+// dh = d[gate | up] of silu(gate) * up times the row weight, aw = weight * a (FC2's wgrad operand),
+// dot[:, p] = <da, a> over activation columns [256 p, 256 p + 256) (summed into d_topk_weights).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
+                                                                      const at::Tensor& h, const at::Tensor& row_weight,
+                                                                      const at::Tensor& offsets, bool zero_unrouted) {
+  check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
+  const c10::cuda::CUDAGuard guard(dy_rows.device());
+  const int64_t rows = dy_rows.size(0);
+  const int64_t inter = w2.size(2);
+  auto dh = at::empty({rows, 2 * inter}, dy_rows.options());
+  auto aw = at::empty({rows, inter}, dy_rows.options());
+  auto dot = at::empty({rows, inter / kGemmTileN}, dy_rows.options().dtype(at::kFloat));
+  if (rows == 0) return {dh, aw, dot};
+  auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLUBackward, dy_rows, w2, false, 0, inter,
+                     dy_rows.size(1), offsets, aw, zero_unrouted);
+  g.in_h = h.data_ptr();
+  g.row_weight = row_weight.data_ptr<float>();
+  g.out_dh = dh.data_ptr();
+  g.out_dot = dot.data_ptr<float>();
+  run_gemm(g, dy_rows, "fc2_dgrad_swiglu");
+  return {dh, aw, dot};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cpu(const at::Tensor& dy_rows, const at::Tensor& w2,
+                                                                     const at::Tensor& h, const at::Tensor& row_weight,
+                                                                     const at::Tensor& offsets, bool) {
+  check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
+  const int64_t inter = w2.size(2);
+  auto da = expert_products_cpu(dy_rows, w2, offsets, true);
+  // Rows past the last expert give zeros whatever their inputs, as on the GPU.
+  const int64_t routed = offsets[offsets.numel() - 1].item<int32_t>();
+  auto inside = (at::arange(dy_rows.size(0)) < routed).unsqueeze(1);
+  auto hf = at::where(inside, h.to(at::kFloat), 0.0);
+  auto g = hf.slice(1, 0, inter);
+  auto u = hf.slice(1, inter);
+  auto s = at::sigmoid(g);
+  auto a = (g * s * u).to(at::kBFloat16).to(at::kFloat);
+  auto dot = (da * a).view({dy_rows.size(0), inter / kGemmTileN, kGemmTileN}).sum(-1);
+  auto w = at::where(inside, row_weight.unsqueeze(1), 0.0);
+  auto daw = da * w;
+  auto dh = at::cat({daw * u * s * (1 + g * (1 - s)), daw * g * s}, 1).to(at::kBFloat16);
+  return {dh, (a * w).to(at::kBFloat16), dot};
+}
+
+// out[e] = a_rows[rows of e]^T b_rows[rows of e]: the weight gradient, summed over each expert's rows.
+// expert_rows: the layout's routed rows per expert, or none. The kernel then skips 64-row k-slices of
+// padding, which must be zeros as the layout leaves them: wrong counts would give wrong results, so they
+// are the layout's own.
+void check_wgrad_args(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
+                      const std::optional<at::Tensor>& expert_rows) {
+  check_rows(a_rows, "a_rows");
+  check_rows(b_rows, "b_rows");
+  check_same_device(b_rows, a_rows, "b_rows");
+  PRIMEMOE_CHECK(a_rows.size(0) == b_rows.size(0), "b_rows: expected ", a_rows.size(0), " rows, got ",
+                 b_rows.size(0));
+  check_index(offsets, "expert_offsets", 1);
+  PRIMEMOE_CHECK(offsets.numel() >= 2, "expert_offsets: expected at least one expert");
+  check_same_device(offsets, a_rows, "expert_offsets");
+  if (!expert_rows.has_value()) return;
+  check_index(*expert_rows, "expert_rows", 1);
+  PRIMEMOE_CHECK(expert_rows->numel() == offsets.numel() - 1, "expert_rows: expected one count per expert (",
+                 offsets.numel() - 1, "), got ", expert_rows->numel());
+  check_same_device(*expert_rows, a_rows, "expert_rows");
+}
+
+at::Tensor expert_wgrad_cuda(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
+                             const std::optional<at::Tensor>& expert_rows) {
+  check_wgrad_args(a_rows, b_rows, offsets, expert_rows);
+  const c10::cuda::CUDAGuard guard(a_rows.device());
+  auto out = at::empty({offsets.numel() - 1, a_rows.size(1), b_rows.size(1)}, a_rows.options());
+  if (a_rows.size(0) == 0) return out.zero_();
+  auto g = gemm_args(GemmSchedule::kExperts, GemmEpilogue::kStore, a_rows, b_rows, false, a_rows.size(1),
+                     b_rows.size(1), 0, offsets, out, true);
+  g.expert_rows = expert_rows.has_value() ? expert_rows->data_ptr<int32_t>() : nullptr;
+  run_gemm(g, a_rows, "expert_wgrad");
+  return out;
+}
+
+at::Tensor expert_wgrad_cpu(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
+                            const std::optional<at::Tensor>& expert_rows) {
+  check_wgrad_args(a_rows, b_rows, offsets, expert_rows);
+  auto out = at::zeros({offsets.numel() - 1, a_rows.size(1), b_rows.size(1)}, a_rows.options());
+  auto off = offsets.accessor<int32_t, 1>();
+  for (int64_t e = 0; e + 1 < offsets.numel(); ++e) {
+    if (off[e + 1] == off[e]) continue;
+    out[e] = at::matmul(a_rows.slice(0, off[e], off[e + 1]).to(at::kFloat).t(),
+                        b_rows.slice(0, off[e], off[e + 1]).to(at::kFloat))
+                 .to(at::kBFloat16);
+  }
+  return out;
+}
+
+// Empty when the expert GEMM kernels cover an MoE of this size on `device`, else why not.
+std::string expert_gemm_unsupported_op(int64_t device, int64_t hidden, int64_t intermediate) {
+  const char* why = "";
+  return moe_gemms_supported(static_cast<int>(device), hidden, intermediate, &why) ? "" : why;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
+  m.impl("expert_gemm", &expert_gemm_cuda);
+  m.impl("fc1_swiglu", &fc1_swiglu_cuda);
+  m.impl("fc2_dgrad_swiglu", &fc2_dgrad_swiglu_cuda);
+  m.impl("expert_wgrad", &expert_wgrad_cuda);
+}
+
+TORCH_LIBRARY_IMPL(primemoe, CPU, m) {
+  m.impl("expert_gemm", &expert_gemm_cpu);
+  m.impl("fc1_swiglu", &fc1_swiglu_cpu);
+  m.impl("fc2_dgrad_swiglu", &fc2_dgrad_swiglu_cpu);
+  m.impl("expert_wgrad", &expert_wgrad_cpu);
+}
+
+TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
+  m.impl("expert_gemm_unsupported", &expert_gemm_unsupported_op);
+  m.impl("_gemm_force_config", &gemm_force_config_op);
+}
+
+}  // namespace primemoe

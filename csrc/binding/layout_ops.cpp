@@ -1,0 +1,155 @@
+// dispatch_layout (the routing layout), and the layout's and the engine's sizes that Python reads
+// (_constant, _layout_max_rows) instead of restating them.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "gemm/grouped_gemm.cuh"
+#include "kernels/dispatch_layout.cuh"
+
+namespace primemoe {
+namespace {
+
+void check_layout_args(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
+                       int64_t row_align) {
+  PRIMEMOE_CHECK(topk_idx.dim() == 2, "topk_idx: expected a 2-D tensor [T, K], got ", topk_idx.sizes());
+  PRIMEMOE_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+                 "topk_idx: expected int64 or int32, got ", topk_idx.scalar_type());
+  PRIMEMOE_CHECK(topk_idx.size(1) >= 1, "topk_idx: expected at least one slot per token");
+  PRIMEMOE_CHECK(num_local >= 1 && num_local <= kLayoutMaxLocalExperts, "num_local_experts: expected 1..",
+                 kLayoutMaxLocalExperts, ", got ", num_local);
+  PRIMEMOE_CHECK(expert_begin >= 0 && expert_begin + num_local <= num_experts,
+                 "expert_begin: local experts must lie in [0, num_experts)");
+  PRIMEMOE_CHECK(row_align >= 1, "row_align: expected >= 1, got ", row_align);
+  PRIMEMOE_CHECK(layout_max_rows(topk_idx.numel(), num_local, row_align) < (int64_t(1) << 31),
+                 "topk_idx: too many slots for 32-bit row indices");
+}
+
+LayoutResult dispatch_layout_cuda(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin,
+                                  int64_t num_local, int64_t row_align) {
+  return launch_layout(topk_idx, num_experts, expert_begin, num_local, row_align, nullptr);
+}
+
+// Same layout on the host; out-of-range ids raise at once (the data is already here).
+LayoutResult dispatch_layout_cpu(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin,
+                                 int64_t num_local, int64_t row_align) {
+  check_layout_args(topk_idx, num_experts, expert_begin, num_local, row_align);
+  const auto ids = topk_idx.to(at::kLong).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t num_slots = ids.numel(), K = ids.size(1);
+  const auto opts = topk_idx.options().dtype(at::kInt);
+  auto counts = at::zeros({num_local}, opts);
+  auto offsets = at::empty({num_local + 1}, opts);
+  auto slot_to_row = at::empty(topk_idx.sizes(), opts);
+  auto row_to_slot = at::full({layout_max_rows(num_slots, num_local, row_align)}, -1, opts);
+  int32_t* c = counts.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_slots; ++s) {
+    PRIMEMOE_CHECK(id[s] >= -1 && id[s] < num_experts, "topk_idx[", s / K, ", ", s % K, "] = ", id[s],
+                   " is not an expert id (expected -1 or a value in [0, ", num_experts, "))");
+    const int64_t local = id[s] - expert_begin;
+    if (id[s] >= 0 && local >= 0 && local < num_local) ++c[local];
+  }
+  int32_t* o = offsets.data_ptr<int32_t>();
+  std::vector<int32_t> next(num_local);
+  int32_t offset = 0;
+  for (int64_t e = 0; e < num_local; ++e) {
+    o[e] = next[e] = offset;
+    offset += layout_padded(c[e], row_align);
+  }
+  o[num_local] = offset;
+  int32_t* s2r = slot_to_row.data_ptr<int32_t>();
+  int32_t* r2s = row_to_slot.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_slots; ++s) {
+    const int64_t local = id[s] - expert_begin;
+    if (id[s] >= 0 && local >= 0 && local < num_local) {
+      s2r[s] = next[local]++;
+      r2s[s2r[s]] = static_cast<int32_t>(s);
+    } else {
+      s2r[s] = -1;
+    }
+  }
+  return {counts, offsets, slot_to_row, row_to_slot};
+}
+
+// Rows of dispatch_layout's row_to_slot (python/primemoe/_constants.py).
+int64_t layout_max_rows_op(int64_t num_slots, int64_t num_local, int64_t row_align) {
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  PRIMEMOE_CHECK(num_slots >= 0 && num_local >= 0 && num_local <= kInt32Max && row_align >= 1 &&
+                     row_align <= kInt32Max,
+                 "_layout_max_rows: expected num_slots >= 0, local_experts in [0, 2^31), row_align in [1, 2^31), got ",
+                 num_slots, ", ", num_local, ", ", row_align);
+  return layout_max_rows(num_slots, static_cast<int32_t>(num_local), static_cast<int32_t>(row_align));
+}
+
+// The sizes Python needs, by name (python/primemoe/_constants.py reads them once).
+struct NamedConstant {
+  const char* name;
+  int64_t value;
+};
+constexpr NamedConstant kConstants[] = {
+    {"gemm_row_align", kGemmRowAlign},                             // expert row alignment of the GEMM engine
+    {"gemm_tile_n", kGemmTileN},                                   // output columns of a GEMM tile
+    {"gemm_swiglu_tile_n", gemm_tile_n(GemmEpilogue::kSwiGLU)},    // FC1's activation columns per tile
+    {"layout_max_local_experts", kLayoutMaxLocalExperts},          // experts one layout spans
+};
+
+int64_t constant_op(const std::string& name) {
+  std::string known;
+  for (const auto& c : kConstants) {
+    if (name == c.name) return c.value;
+    known += (known.empty() ? "" : ", ") + std::string(c.name);
+  }
+  PRIMEMOE_CHECK(false, "name: expected one of ", known, ", got '", name, "'");
+  return 0;
+}
+
+}  // namespace
+
+LayoutResult launch_layout(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
+                           int64_t row_align, bool* slot_valid) {
+  check_layout_args(topk_idx, num_experts, expert_begin, num_local, row_align);
+  const c10::cuda::CUDAGuard guard(topk_idx.device());
+  raise_pending_error(topk_idx.get_device());
+  const auto opts = topk_idx.options().dtype(at::kInt);
+  const int64_t num_slots = topk_idx.numel();
+  auto counts = at::empty({num_local}, opts);
+  auto offsets = at::empty({num_local + 1}, opts);
+  auto slot_to_row = at::empty(topk_idx.sizes(), opts);
+  auto row_to_slot = at::empty({layout_max_rows(num_slots, num_local, row_align)}, opts);
+  auto workspace = at::empty({std::max<int64_t>(layout_workspace_ints(num_slots, num_local), 1)}, opts);
+  DispatchLayoutArgs a{};
+  a.topk_idx = topk_idx.data_ptr();
+  a.idx_is_int64 = topk_idx.scalar_type() == at::kLong;
+  a.num_slots = num_slots;
+  a.top_k = static_cast<int32_t>(topk_idx.size(1));
+  a.num_experts = static_cast<int32_t>(num_experts);
+  a.expert_begin = static_cast<int32_t>(expert_begin);
+  a.num_local = static_cast<int32_t>(num_local);
+  a.row_align = static_cast<int32_t>(row_align);
+  a.expert_counts = counts.data_ptr<int32_t>();
+  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.slot_to_row = slot_to_row.data_ptr<int32_t>();
+  a.row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.slot_valid = slot_valid;
+  a.workspace = workspace.data_ptr<int32_t>();
+  a.error = error_record_for(topk_idx);
+  check_cuda(launch_dispatch_layout(a, c10::cuda::getCurrentCUDAStream()), "dispatch_layout");
+  return {counts, offsets, slot_to_row, row_to_slot};
+}
+
+TORCH_LIBRARY_IMPL(primemoe, CUDA, m) { m.impl("dispatch_layout", &dispatch_layout_cuda); }
+
+TORCH_LIBRARY_IMPL(primemoe, CPU, m) { m.impl("dispatch_layout", &dispatch_layout_cpu); }
+
+TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
+  m.impl("_layout_max_rows", &layout_max_rows_op);
+  m.impl("_constant", &constant_op);
+}
+
+}  // namespace primemoe

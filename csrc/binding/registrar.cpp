@@ -1,0 +1,92 @@
+// Every schema of torch.ops.primemoe; the implementations register from one file per area
+// (layout_ops, rows_ops, gemm_ops, ep_ops, error_ops) and, for moe_forward / moe_backward and the
+// fake kernels, from python/primemoe/. Ops named with a leading underscore are internal.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(primemoe, m) {
+  // ---------------------------------------------------------------- the layer
+  m.def(
+      "moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, str precision=\"bf16\", "
+      "bool keep_fc1=True) -> (Tensor y, Tensor fc1_out)");
+  m.def(
+      "moe_backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, "
+      "Tensor? fc1_out, str precision=\"bf16\") -> (Tensor dx, Tensor d_topk_weights, Tensor dw1, Tensor dw2)");
+  // The layer over a Buffer (implemented in python/primemoe/layer.py): `buffer` is the Buffer's handle.
+  m.def(
+      "_ep_moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, int buffer, "
+      "str precision=\"bf16\", bool keep_fc1=True, bool save_rows=True) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "_ep_moe_backward(Tensor dy, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, Tensor? fc1_out, "
+      "Tensor saved_rows, int buffer, str precision=\"bf16\") -> (Tensor, Tensor, Tensor, Tensor)");
+
+  // ---------------------------------------------------------------- layout (layout_ops.cpp)
+  m.def(
+      "dispatch_layout(Tensor topk_idx, int num_experts, int expert_begin, int num_local_experts, int row_align) "
+      "-> (Tensor expert_counts, Tensor expert_offsets, Tensor slot_to_row, Tensor row_to_slot)");
+  // Rows of dispatch_layout's row_to_slot for these sizes.
+  m.def("_layout_max_rows(int num_slots, int local_experts, int row_align) -> int");
+  // A size of the C++ layer by name (gemm_row_align, gemm_tile_n, gemm_swiglu_tile_n, layout_max_local_experts).
+  m.def("_constant(str name) -> int");
+
+  // ---------------------------------------------------------------- rows (rows_ops.cpp)
+  m.def(
+      "gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale, Tensor? slot_to_row=None, "
+      "Tensor? expert_offsets=None) -> Tensor");
+  m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
+  m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
+  // out[i] = values[index[i]] in fp32, 0 where index[i] is not an index of values.
+  m.def("gather_scalars(Tensor values, Tensor index) -> Tensor");
+  m.def("copy_routed_rows(Tensor rows, Tensor expert_offsets) -> Tensor");
+  m.def("zero_unrouted_rows(Tensor(a!) rows, Tensor expert_offsets) -> ()");
+
+  // ---------------------------------------------------------------- expert GEMMs (gemm_ops.cpp)
+  // zero_unrouted=False: output rows at or past expert_offsets[-1] are left unwritten (undefined), for
+  // callers that read only the routed rows.
+  m.def(
+      "expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn, Tensor? row_weight=None, "
+      "bool zero_unrouted=True) -> Tensor");
+  m.def(
+      "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
+      "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True) -> (Tensor a, Tensor h)");
+  m.def(
+      "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets, "
+      "bool zero_unrouted=True) -> (Tensor dh, Tensor aw, Tensor dot)");
+  // expert_rows: the layout's routed rows per expert, so that k-slices of padding are skipped (the same
+  // result: the layout's padding rows are zeros).
+  m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets, Tensor? expert_rows=None) -> Tensor");
+  m.def("expert_gemm_unsupported(int device, int hidden, int intermediate) -> str");
+  // Tests only: the GemmConfig of this thread's next GEMM launches (0 or 1 each); -1, -1: the heuristics'.
+  m.def("_gemm_force_config(int claim_tiles=-1, int merge_tails=-1) -> ()");
+
+  // ---------------------------------------------------------------- expert parallelism (ep_ops.cpp)
+  m.def("_nvshmem_unique_id() -> Tensor");
+  m.def("_nvshmem_init(Tensor unique_id, int rank, int world) -> ()");
+  m.def("_nvshmem_finalize() -> ()");
+  m.def("_nvshmem_peers_need_put() -> bool");
+  // One line per region, "name element byte_offset d0,d1,...", then "total bytes".
+  m.def(
+      "_ep_workspace_layout(int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, "
+      "bool put_peers) -> str");
+  m.def("_ep_workspace_alloc(int nbytes) -> Tensor");
+  m.def("_ep_workspace_free(Tensor workspace) -> ()");
+  m.def(
+      "ep_dispatch(Tensor(a!) workspace, Tensor(b!) epoch, Tensor x, Tensor topk_idx, Tensor topk_weights, int rank, "
+      "int world, int max_tokens, int local_experts, int row_align, int num_sms, bool wait_arrivals=True, "
+      "bool put_peers=False, bool force_put=False) -> (Tensor expert_counts, Tensor expert_offsets, "
+      "Tensor slot_valid)");
+  m.def(
+      "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "
+      "int rank, int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, int num_sms, "
+      "bool put_peers=False, bool force_put=False) -> ()");
+
+  // ---------------------------------------------------------------- device errors (error_ops.cpp)
+  m.def("_take_error(int device) -> int[]");
+  m.def("_describe_error(int[] record) -> str");
+}
+
+// Importing primemoe._C loads this library, whose static initialisers register the ops.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

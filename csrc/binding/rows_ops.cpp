@@ -1,0 +1,267 @@
+// The row primitives around the expert GEMMs: gather_rows (tokens into expert-major rows), combine_reduce
+// (a token's rows summed back), slot_dot, gather_scalars, copy_routed_rows and zero_unrouted_rows.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "common.h"
+
+namespace primemoe {
+namespace {
+
+void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
+                       const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row,
+                       const std::optional<at::Tensor>& offsets) {
+  check_rows(src, "src");
+  check_index(row_to_slot, "row_to_slot", 1);
+  PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
+  if (scale.has_value()) {
+    PRIMEMOE_CHECK(scale->numel() == src.size(0) * top_k, "scale: expected ", src.size(0) * top_k,
+                " elements (one per slot), got ", scale->numel());
+  }
+  if (slot_to_row.has_value()) {
+    check_index(*slot_to_row, "slot_to_row", 2);
+    PRIMEMOE_CHECK(slot_to_row->size(0) == src.size(0) && slot_to_row->size(1) == top_k,
+                   "slot_to_row: expected shape [", src.size(0), ", ", top_k, "], got ", slot_to_row->sizes());
+    check_same_device(*slot_to_row, row_to_slot, "slot_to_row");
+  }
+  if (offsets.has_value()) {
+    check_index(*offsets, "expert_offsets", 1);
+    PRIMEMOE_CHECK(offsets->numel() >= 1, "expert_offsets: expected at least one entry");
+    check_same_device(*offsets, row_to_slot, "expert_offsets");
+  }
+}
+
+// The kernel walks tokens, so it needs slot_to_row: the caller's (dispatch_layout made both maps),
+// else the inverse of row_to_slot, computed on the device. With expert_offsets the rows at or past
+// expert_offsets[-1] are left unwritten (undefined), for callers that read only the routed rows.
+at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
+                            const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row,
+                            const std::optional<at::Tensor>& offsets) {
+  check_gather_args(src, row_to_slot, top_k, scale, slot_to_row, offsets);
+  const c10::cuda::CUDAGuard guard(src.device());
+  auto dst = at::empty({row_to_slot.size(0), src.size(1)}, src.options());
+  GatherRowsArgs a{};
+  a.src = src.data_ptr();
+  a.row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.scale_type = scale_type_of(scale, "scale");
+  a.scale = scale.has_value() ? scale->data_ptr() : nullptr;
+  a.dst = dst.data_ptr();
+  a.row_end = offsets.has_value() ? offsets->data_ptr<int32_t>() + (offsets->numel() - 1) : nullptr;
+  a.num_rows = row_to_slot.size(0);
+  a.num_tokens = src.size(0);
+  a.hidden = static_cast<int32_t>(src.size(1));
+  a.top_k = static_cast<int32_t>(top_k);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor inverse = slot_to_row.has_value() ? *slot_to_row : at::empty({src.size(0), top_k}, row_to_slot.options());
+  if (!slot_to_row.has_value()) {
+    check_cuda(launch_invert_row_to_slot(row_to_slot.data_ptr<int32_t>(), a.num_rows, src.size(0) * top_k,
+                                         inverse.data_ptr<int32_t>(), stream),
+               "gather_rows");
+  }
+  a.slot_to_row = inverse.data_ptr<int32_t>();
+  check_cuda(launch_gather_rows(a, stream), "gather_rows");
+  return dst;
+}
+
+// slot_to_row is not needed here: the rows are taken in row order. Rows past expert_offsets[-1] are written
+// either way (zeros are one of the undefined values).
+at::Tensor gather_rows_cpu(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
+                           const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row,
+                           const std::optional<at::Tensor>& offsets) {
+  check_gather_args(src, row_to_slot, top_k, scale, slot_to_row, offsets);
+  const int64_t slots = src.size(0) * top_k;
+  if (slots == 0) return at::zeros({row_to_slot.size(0), src.size(1)}, src.options());
+  // A slot outside [0, T * K) gives a zero row, as on the GPU.
+  const auto slot_ids = row_to_slot.to(at::kLong);  // T * K may pass int32
+  const auto valid = slot_ids.ge(0).logical_and(slot_ids.lt(slots));
+  const auto slot = slot_ids.clamp(0, slots - 1);
+  auto rows = src.index_select(0, slot.div(top_k, "floor")).to(at::kFloat);
+  if (scale.has_value()) rows = rows * scale->reshape({-1}).to(at::kFloat).index_select(0, slot).unsqueeze(1);
+  return at::where(valid.unsqueeze(1), rows, at::zeros({}, rows.options())).to(src.scalar_type());
+}
+
+void check_combine_args(const at::Tensor& rows, const at::Tensor& slot_to_row, const std::optional<at::Tensor>& w) {
+  check_rows(rows, "rows");
+  check_index(slot_to_row, "slot_to_row", 2);
+  if (w.has_value()) {
+    PRIMEMOE_CHECK(w->sizes() == slot_to_row.sizes(), "weights: expected shape ", slot_to_row.sizes(), ", got ",
+                w->sizes());
+  }
+}
+
+at::Tensor combine_reduce_cuda(const at::Tensor& rows, const at::Tensor& slot_to_row,
+                               const std::optional<at::Tensor>& weights) {
+  check_combine_args(rows, slot_to_row, weights);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  auto y = at::empty({slot_to_row.size(0), rows.size(1)}, rows.options());
+  CombineReduceArgs a{};
+  a.rows = rows.data_ptr();
+  a.slot_to_row = slot_to_row.data_ptr<int32_t>();
+  a.weight_type = scale_type_of(weights, "weights");
+  a.weights = weights.has_value() ? weights->data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.num_tokens = slot_to_row.size(0);
+  a.hidden = static_cast<int32_t>(rows.size(1));
+  a.top_k = static_cast<int32_t>(slot_to_row.size(1));
+  check_cuda(launch_combine_reduce(a, c10::cuda::getCurrentCUDAStream()), "combine_reduce");
+  return y;
+}
+
+// Rows of the slots, [T, K, H] in fp32, zero where a slot has no row.
+at::Tensor slot_rows_cpu(const at::Tensor& rows, const at::Tensor& slot_to_row) {
+  const auto valid = slot_to_row.ge(0).unsqueeze(-1);
+  const auto idx = slot_to_row.clamp_min(0).reshape({-1}).to(at::kLong);
+  auto g = rows.index_select(0, idx).to(at::kFloat).view({slot_to_row.size(0), slot_to_row.size(1), rows.size(1)});
+  return at::where(valid, g, at::zeros({}, g.options()));
+}
+
+at::Tensor combine_reduce_cpu(const at::Tensor& rows, const at::Tensor& slot_to_row,
+                              const std::optional<at::Tensor>& weights) {
+  check_combine_args(rows, slot_to_row, weights);
+  auto g = slot_rows_cpu(rows, slot_to_row);
+  if (weights.has_value()) g = g * weights->to(at::kFloat).unsqueeze(-1);
+  return g.sum(1).to(rows.scalar_type());
+}
+
+void check_slot_dot_args(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
+  check_rows(a, "a");
+  check_rows(b, "b");
+  check_index(slot_to_row, "slot_to_row", 2);
+  PRIMEMOE_CHECK(a.sizes() == b.sizes(), "b: expected the shape of a, ", a.sizes(), ", got ", b.sizes());
+}
+
+at::Tensor slot_dot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
+  check_slot_dot_args(a, b, slot_to_row);
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto out = at::empty(slot_to_row.sizes(), a.options().dtype(at::kFloat));
+  SlotDotArgs args{};
+  args.a = a.data_ptr();
+  args.b = b.data_ptr();
+  args.slot_to_row = slot_to_row.data_ptr<int32_t>();
+  args.out = out.data_ptr<float>();
+  args.num_slots = slot_to_row.numel();
+  args.width = static_cast<int32_t>(a.size(1));
+  check_cuda(launch_slot_dot(args, c10::cuda::getCurrentCUDAStream()), "slot_dot");
+  return out;
+}
+
+at::Tensor slot_dot_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
+  check_slot_dot_args(a, b, slot_to_row);
+  return (slot_rows_cpu(a, slot_to_row) * slot_rows_cpu(b, slot_to_row)).sum(-1);
+}
+
+void check_gather_scalars_args(const at::Tensor& values, const at::Tensor& index) {
+  PRIMEMOE_CHECK(values.dim() == 1, "values: expected a 1-D tensor, got ", values.sizes());
+  PRIMEMOE_CHECK(values.scalar_type() == at::kFloat || values.scalar_type() == at::kBFloat16,
+                 "values: expected float32 or bfloat16, got ", values.scalar_type());
+  PRIMEMOE_CHECK(values.is_contiguous(), "values: expected a contiguous tensor");
+  PRIMEMOE_CHECK(index.scalar_type() == at::kInt, "index: expected int32, got ", index.scalar_type());
+  PRIMEMOE_CHECK(index.is_contiguous(), "index: expected a contiguous tensor");
+  PRIMEMOE_CHECK(index.device() == values.device(), "index: expected it on the same device as values");
+}
+
+at::Tensor gather_scalars_cuda(const at::Tensor& values, const at::Tensor& index) {
+  check_gather_scalars_args(values, index);
+  const c10::cuda::CUDAGuard guard(values.device());
+  auto out = at::empty(index.sizes(), values.options().dtype(at::kFloat));
+  GatherScalarsArgs args{};
+  args.values = values.data_ptr();
+  args.value_type = values.scalar_type() == at::kFloat ? ScaleType::kFloat32 : ScaleType::kBFloat16;
+  args.index = index.data_ptr<int32_t>();
+  args.out = out.data_ptr<float>();
+  args.num_values = values.size(0);
+  args.count = index.numel();
+  check_cuda(launch_gather_scalars(args, c10::cuda::getCurrentCUDAStream()), "gather_scalars");
+  return out;
+}
+
+at::Tensor gather_scalars_cpu(const at::Tensor& values, const at::Tensor& index) {
+  check_gather_scalars_args(values, index);
+  const int64_t n = values.size(0);
+  auto out = at::zeros(index.sizes(), values.options().dtype(at::kFloat));
+  if (n == 0) return out;
+  const auto taken = values.index_select(0, index.clamp(0, n - 1).reshape({-1}).to(at::kLong)).to(at::kFloat);
+  return at::where(index.ge(0).logical_and(index.lt(n)), taken.view(index.sizes()), out);
+}
+
+// copy_routed_rows: a new tensor whose rows [0, expert_offsets[-1]) are those of `rows`; rows past
+// that bound are undefined (the GPU does not write them). The bound is read on the
+// device, so the copy needs no host sync and moves only the routed rows of a worst-case-sized region.
+void check_routed_rows_args(const at::Tensor& rows, const at::Tensor& offsets) {
+  PRIMEMOE_CHECK(rows.dim() == 2, "rows: expected a 2-D tensor [rows, width], got ", rows.sizes());
+  PRIMEMOE_CHECK(rows.is_contiguous(), "rows: expected a contiguous tensor");
+  const int64_t row_bytes = rows.size(1) * rows.element_size();
+  PRIMEMOE_CHECK(row_bytes % 16 == 0, "rows: expected rows of a multiple of 16 bytes, got ", row_bytes);
+  check_index(offsets, "expert_offsets", 1);
+  PRIMEMOE_CHECK(offsets.numel() >= 1, "expert_offsets: expected at least one entry");
+  check_same_device(offsets, rows, "expert_offsets");
+}
+
+at::Tensor copy_routed_rows_cuda(const at::Tensor& rows, const at::Tensor& offsets) {
+  check_routed_rows_args(rows, offsets);
+  PRIMEMOE_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "rows: expected 16-byte aligned data");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  auto out = at::empty_like(rows);
+  CopyRoutedRowsArgs a{};
+  a.src = rows.data_ptr();
+  a.dst = out.data_ptr();
+  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.num_experts = static_cast<int32_t>(offsets.numel() - 1);
+  a.num_rows = rows.size(0);
+  a.row_bytes = rows.size(1) * rows.element_size();
+  check_cuda(launch_copy_routed_rows(a, c10::cuda::getCurrentCUDAStream()), "copy_routed_rows");
+  return out;
+}
+
+// Copies every row: whatever a consumer reads past the bound stays what the source held there.
+at::Tensor copy_routed_rows_cpu(const at::Tensor& rows, const at::Tensor& offsets) {
+  check_routed_rows_args(rows, offsets);
+  return rows.clone();
+}
+
+// zero_unrouted_rows: rows [expert_offsets[-1], rows) of `rows` set to zero in place, the bound read on the device
+// (no host sync): a GEMM run with zero_unrouted=False leaves those rows undefined, and a caller that hands such a
+// tensor on (the layer's fc1_out) zeroes them in one pass over the unrouted rows only.
+void zero_unrouted_rows_cuda(at::Tensor& rows, const at::Tensor& offsets) {
+  check_routed_rows_args(rows, offsets);
+  PRIMEMOE_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "rows: expected 16-byte aligned data");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  ZeroUnroutedRowsArgs a{};
+  a.rows = rows.data_ptr();
+  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.num_experts = static_cast<int32_t>(offsets.numel() - 1);
+  a.num_rows = rows.size(0);
+  a.row_bytes = rows.size(1) * rows.element_size();
+  check_cuda(launch_zero_unrouted_rows(a, c10::cuda::getCurrentCUDAStream()), "zero_unrouted_rows");
+}
+
+void zero_unrouted_rows_cpu(at::Tensor& rows, const at::Tensor& offsets) {
+  check_routed_rows_args(rows, offsets);
+  const int64_t bound = std::clamp<int64_t>(offsets[-1].item<int32_t>(), 0, rows.size(0));
+  rows.slice(0, bound).zero_();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
+  m.impl("gather_rows", &gather_rows_cuda);
+  m.impl("combine_reduce", &combine_reduce_cuda);
+  m.impl("slot_dot", &slot_dot_cuda);
+  m.impl("gather_scalars", &gather_scalars_cuda);
+  m.impl("copy_routed_rows", &copy_routed_rows_cuda);
+  m.impl("zero_unrouted_rows", &zero_unrouted_rows_cuda);
+}
+
+TORCH_LIBRARY_IMPL(primemoe, CPU, m) {
+  m.impl("gather_rows", &gather_rows_cpu);
+  m.impl("combine_reduce", &combine_reduce_cpu);
+  m.impl("slot_dot", &slot_dot_cpu);
+  m.impl("gather_scalars", &gather_scalars_cpu);
+  m.impl("copy_routed_rows", &copy_routed_rows_cpu);
+  m.impl("zero_unrouted_rows", &zero_unrouted_rows_cpu);
+}
+
+}  // namespace primemoe
