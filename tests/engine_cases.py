@@ -53,30 +53,3 @@ def engine_operands(counts, hidden, inter, *, seed=0, device="cpu", spare_rows=3
         w1=randn(E, 2 * inter, hidden, scale=hidden ** -0.5).bfloat16().to(device),
         w2=randn(E, hidden, inter, scale=inter ** -0.5).bfloat16().to(device),
     )
-
-
-@dataclass
-class GatherOperands:
-    """FC1's operands before the gather: the tokens and the routing layout over them."""
-    x: torch.Tensor  # [T, H]
-    top_k: int
-    row_to_slot: torch.Tensor  # int32 [R], -1 on padding rows
-    offsets: torch.Tensor  # int32 [E + 1]
-    w1: torch.Tensor  # [E, 2I, H]
-
-
-def gather_operands(tokens, top_k, experts, hidden, inter, routing, *, seed=0, device="cpu") -> GatherOperands:
-    """routing: "uniform", "skewed" (90% of the slots on 2 experts) or "masked" (a third of the slots -1)."""
-    gen = torch.Generator("cpu").manual_seed(seed)
-    idx = torch.randint(0, experts, (tokens, top_k), generator=gen)
-    if routing == "skewed":
-        hot = torch.rand(tokens, top_k, generator=gen) < 0.9
-        idx = torch.where(hot, torch.randint(0, 2, (tokens, top_k), generator=gen), idx)
-    elif routing == "masked":
-        idx = torch.where(torch.rand(tokens, top_k, generator=gen) < 1 / 3, -1, idx)
-    elif routing != "uniform":
-        raise ValueError(routing)
-    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
-    w1 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).bfloat16()
-    _, offsets, _, row_to_slot = torch.ops.primemoe.dispatch_layout(idx, experts, 0, experts, ROW_ALIGN)
-    return GatherOperands(x.to(device), top_k, row_to_slot.to(device), offsets.to(device), w1.to(device))

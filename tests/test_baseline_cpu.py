@@ -8,7 +8,7 @@ from helpers import Outputs, assert_moe_outputs_match, make_problem, run_moe
 from naive import composite, naive64
 
 import primemoe
-from primemoe import ops
+from primemoe import layer
 
 
 def _cpu_grouped_mm_available() -> bool:
@@ -57,7 +57,7 @@ ENGINE_SHAPE = dict(hidden=64, inter=256, experts=4, top_k=2)
 @pytest.mark.parametrize("keep_fc1", [True, False])
 @pytest.mark.parametrize("case", ["uniform", "masked", "empty_experts", "no_tokens", "int32_ids"])
 def test_cuda_op_path_composition_on_cpu(case, keep_fc1, engine):
-    check_composition(case, keep_fc1, engine, ops.ROW_ALIGN)
+    check_composition(case, keep_fc1, engine, layer.ROW_ALIGN)
 
 
 @pytest.mark.parametrize("engine", [False, True], ids=["grouped_mm", "engine"])
@@ -67,19 +67,22 @@ def test_composition_on_a_coarser_layout(engine):
 
 
 def check_composition(case, keep_fc1, engine, row_align):
-    """The CUDA implementations of moe_forward/moe_backward are compositions of primitives that
-    also have CPU kernels: run them here so their wiring is checked in CI, not only on a GPU.
-    ``engine``: the expert GEMM engine's ops (fc1_swiglu, expert_gemm, fc2_dgrad_swiglu,
-    expert_wgrad) through their CPU kernels; else the torch._grouped_mm composition."""
+    """The CUDA implementations of moe_forward/moe_backward are the layer's composition over
+    LocalTransport, made of primitives that also have CPU kernels: run it here so its wiring is
+    checked in CI, not only on a GPU. ``engine``: the expert GEMM engine's ops (fc1_swiglu,
+    expert_gemm, fc2_dgrad_swiglu, expert_wgrad) through their CPU kernels; else the
+    torch._grouped_mm fallback."""
     shape = dict(SHAPE, **ENGINE_SHAPE) if engine else SHAPE
     if case == "empty_experts" and engine:
         shape = dict(shape, experts=8)
     p = make_problem(**shape, **CASES[case], seed=5)
-    y, fc1_out = ops.moe_forward_composed(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, keep_fc1, engine, row_align)
     E = p.w1.shape[0]
+    y, fc1_out, saved = layer.forward(layer.LocalTransport(p.topk_idx, E, row_align), p.x, p.topk_weights, p.w1,
+                                      p.w2, keep_fc1=keep_fc1, engine=engine)
+    assert saved is None
     assert fc1_out.shape[0] == (p.topk_idx.numel() + E * (row_align - 1) if keep_fc1 else 0)
-    grads = ops.moe_backward_composed(p.dy, p.x, p.topk_idx, p.topk_weights, p.w1, p.w2,
-                                      fc1_out if keep_fc1 else None, engine, row_align)
+    grads = layer.backward(layer.LocalTransport(p.topk_idx, E, row_align), p.dy, p.x, p.topk_weights, p.w1, p.w2,
+                           fc1_out if keep_fc1 else None, engine=engine)
     assert_moe_outputs_match(Outputs(y, *grads), naive64(p), composite(p), p)
 
 

@@ -1,21 +1,23 @@
-"""The expert-parallel autograd path (primemoe.ep) on the CPU, against the fp64 reference of the
-gathered problem. Each rank is a thread holding a ``ModelBuffer``: a Python model of the
-ep_dispatch / ep_combine contract (receive layout, meta, weights, combine slots) over the same
-workspace regions as primemoe.Buffer. The model leaves what the contract leaves undefined
-hostile: NaN past the received rows, stale meta there, garbage in padding rows and NaN in
-combine slots that were not routed, so the path must not depend on any of it."""
+"""The expert-parallel path (primemoe.moe(..., buffer=): the _ep_moe_forward / _ep_moe_backward ops
+over ep.BufferTransport) on the CPU, against the fp64 reference of the gathered problem. Each rank is
+a thread holding a ``ModelBuffer``: a Python model of the ep_dispatch / ep_combine contract (receive
+layout, meta, weights, combine slots) over the same workspace regions as primemoe.Buffer. The model
+leaves what the contract leaves undefined hostile: NaN past the received rows, stale meta there,
+garbage in padding rows and NaN in combine slots that were not routed, so the path must not depend
+on any of it."""
 
 import threading
 from functools import partial
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from ep_harness import rank_problem
 from helpers import OUTPUT_NAMES, ROUTINGS, Outputs, assert_moe_outputs_match, make_problem, reference64, run_moe
 from naive import composite
 
-from primemoe import ep
+from primemoe import ep, layer
 from primemoe.buffer import EpConfig, ep_layout, ep_region
 
 SHAPE = (64, 32, 8, 2)  # H, I, E, K
@@ -38,7 +40,7 @@ class World:
 
 
 class ModelBuffer:
-    """The attributes and methods of primemoe.Buffer that primemoe.ep uses, on the CPU."""
+    """The attributes and methods of primemoe.Buffer that the buffer= path uses, on the CPU."""
 
     closed = False
     precision = "bf16"
@@ -58,6 +60,7 @@ class ModelBuffer:
         self.regions = {name: ep_region(workspace, name, world.size, max_tokens_per_rank, hidden, top_k,
                                         self.local_experts, row_align, put_peers=False) for name in layout}
         self.gen = torch.Generator().manual_seed(rank)
+        self.handle = ep.register_buffer(self)
 
     def region(self, name):
         return self.regions[name]
@@ -120,7 +123,7 @@ def run_ranks(problem, tokens_per_rank, row_align=1, **moe_kwargs):
         try:
             buffer = ModelBuffer(world, rank, **sizes)
             mine = rank_problem(problem, rank, tokens_per_rank, "cpu")
-            results[rank] = run_moe(partial(ep.moe, buffer=buffer, **moe_kwargs), mine)
+            results[rank] = run_moe(partial(layer.ep_moe, buffer=buffer, **moe_kwargs), mine)
         except BaseException as error:  # noqa: BLE001  (re-raised in the main thread)
             errors.append(error)
             world.barrier.abort()
@@ -151,3 +154,69 @@ def test_expert_parallel_variants(variant):
     out = run_ranks(problem, tokens_per_rank, row_align=4 if variant == "row_align_4" else 1,
                     **(dict(keep_fc1=False) if variant == "recompute_fc1" else {}))
     assert_moe_outputs_match(out, reference64(problem), composite(problem), problem)
+
+
+# ---------------------------------------------------------------- the ops on one rank
+
+
+def one_rank(tokens, row_align=4, seed=7):
+    hidden, inter, experts, top_k = SHAPE
+    buffer = ModelBuffer(World(1), 0, max_tokens_per_rank=max(tokens, 1), hidden=hidden, intermediate=inter,
+                         num_experts=experts, top_k=top_k, row_align=row_align)
+    return buffer, make_problem(tokens, *SHAPE, routing="masked", seed=seed)
+
+
+@pytest.mark.parametrize("keep_fc1", [True, False])
+def test_ep_ops_shapes_match_their_fakes(keep_fc1):
+    """The fakes size fc1_out and saved_rows from the buffer's receive region (torch.compile traces with
+    them), and save_rows=False keeps no rows (the forward of a call that needs no gradient)."""
+    buffer, p = one_rank(11)
+    rows, H = buffer.max_recv_rows, p.x.shape[1]
+    for save_rows in (False, True):
+        args = (p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, buffer.handle, "bf16", keep_fc1, save_rows)
+        real = torch.ops.primemoe._ep_moe_forward(*args)
+        with torch._subclasses.FakeTensorMode() as mode:
+            fake = torch.ops.primemoe._ep_moe_forward(*(mode.from_tensor(a) if torch.is_tensor(a) else a
+                                                         for a in args))
+        want = [(p.x.shape[0], H), (rows if keep_fc1 else 0, p.w1.shape[1]), (rows if save_rows else 0, H)]
+        assert [tuple(t.shape) for t in real] == [tuple(t.shape) for t in fake] == want
+        assert [t.dtype for t in real] == [t.dtype for t in fake]
+    _, fc1_out, saved_rows = real  # of the forward that saved its rows
+    grads = torch.ops.primemoe._ep_moe_backward(p.dy, p.topk_idx, p.topk_weights, p.w1, p.w2,
+                                                fc1_out if keep_fc1 else None, saved_rows, buffer.handle)
+    assert [tuple(g.shape) for g in grads] == [tuple(p.x.shape), tuple(p.topk_idx.shape), tuple(p.w1.shape),
+                                               tuple(p.w2.shape)]
+    assert grads[1].dtype == torch.float32
+
+
+def test_ep_ops_name_a_closed_or_unknown_buffer():
+    buffer, p = one_rank(5)
+    ep.unregister_buffer(buffer.handle)
+    with pytest.raises(RuntimeError, match=f"buffer: no open primemoe.Buffer has handle {buffer.handle}"):
+        torch.ops.primemoe._ep_moe_forward(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, buffer.handle)
+    with pytest.raises(RuntimeError, match="buffer: no open primemoe.Buffer has handle -1"):
+        torch.ops.primemoe._ep_moe_forward(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, -1)
+
+
+def test_ep_backward_without_saved_rows_is_a_clear_error():
+    buffer, p = one_rank(5)
+    with pytest.raises(RuntimeError, match="the forward kept no rows"):
+        torch.ops.primemoe._ep_moe_backward(p.dy, p.topk_idx, p.topk_weights, p.w1, p.w2, None,
+                                            p.x.new_empty(0, p.x.shape[1]), buffer.handle)
+
+
+def test_torch_compile_fullgraph_through_the_buffer_ops():
+    """dynamo + AOTAutograd (backend aot_eager) through moe(buffer=)'s ops, their fakes and registered
+    autograd: one graph, the same bits as eager."""
+    torch._dynamo.reset()
+    buffer, p = one_rank(13)
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def layer_call(x, topk_idx, topk_weights, w1, w2):
+        return layer.ep_moe(x, topk_idx, topk_weights, w1, w2, buffer=buffer)
+
+    got = run_moe(torch.compile(layer_call, backend=counter, fullgraph=True), p)
+    assert counter.frame_count == 1, "expected exactly one graph (no graph break)"
+    want = run_moe(layer_call, p)
+    for name in OUTPUT_NAMES:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils.flop_counter import FlopCounterMode
 
-from engine_cases import engine_operands, gather_operands
+from engine_cases import engine_operands
 from helpers import ExpertLayer, OUTPUT_NAMES, make_problem, run_module, run_moe, run_python
 
 import primemoe
@@ -147,26 +147,6 @@ def test_opcheck_row_gemms_with_zero_unrouted_false(engine):
     torch.library.opcheck(ops.expert_gemm, (e.h, e.w1, e.offsets, True), no_zeros)
 
 
-@pytest.mark.parametrize("keep_fc1", [True, False])
-def test_opcheck_fc1_swiglu_gather(keep_fc1):
-    g = gather_operands(50, 3, 3, 64, 256, "masked", seed=9)
-    torch.library.opcheck(ops.fc1_swiglu_gather, (g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, keep_fc1))
-
-
-def test_fc1_swiglu_gather_is_fc1_of_the_gathered_rows():
-    g = gather_operands(50, 3, 3, 64, 256, "skewed", seed=10)
-    xs = ops.gather_rows(g.x, g.row_to_slot, g.top_k, None)
-    for got, want in zip(ops.fc1_swiglu_gather(g.x, g.row_to_slot, g.top_k, g.w1, g.offsets, True),
-                         ops.fc1_swiglu(xs, g.w1, g.offsets, True)):
-        assert torch.equal(got, want)
-    with pytest.raises(RuntimeError, match="x: expected 64 columns"):
-        ops.fc1_swiglu_gather(g.x[:, :32].contiguous(), g.row_to_slot, g.top_k, g.w1, g.offsets, True)
-    with pytest.raises(RuntimeError, match="top_k: expected >= 1"):
-        ops.fc1_swiglu_gather(g.x, g.row_to_slot, 0, g.w1, g.offsets, True)
-    with pytest.raises(RuntimeError, match="row_to_slot: expected the .* rows of dispatch_layout over x's 49 x 3"):
-        ops.fc1_swiglu_gather(g.x[:49], g.row_to_slot, g.top_k, g.w1, g.offsets, True)
-
-
 def test_opcheck_expert_gemm_with_row_weight(engine):
     torch.library.opcheck(ops.expert_gemm, (engine.a, engine.w2, engine.offsets, False, engine.row_weight))
 
@@ -220,7 +200,7 @@ def test_expert_wgrad_counts_are_checked(engine):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")
 def test_engine_says_why_it_does_not_run_without_a_gpu(engine):
     assert "sm_90" in ops.expert_gemm_unsupported(0, 2048, 768)
-    assert not primemoe.ops.use_engine(engine.xs, engine.w1)
+    assert not primemoe.layer.engine_supports(engine.xs, engine.w1)
 
 
 def test_engine_ops_cpu_semantics(engine):

@@ -17,7 +17,8 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from ._fallback import grouped_wgrad, swiglu, swiglu_backward
 
 __all__ = ["moe", "forward", "backward", "Context"]
 
@@ -39,30 +40,6 @@ class Context:
     local_order: Optional[torch.Tensor] = None  # EP: received rows -> expert-grouped order
     send_splits: Optional[List[int]] = None
     recv_splits: Optional[List[int]] = None
-
-
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """d/dh of silu(gate) * up, written straight into the two halves of dh (bf16,
-    the same kernels autograd would run)."""
-    gate, up = h.chunk(2, dim=-1)
-    dh = torch.empty_like(h)
-    d_gate, d_up = dh.chunk(2, dim=-1)
-    torch.mul(da, F.silu(gate), out=d_up)
-    d_gate.copy_(torch.ops.aten.silu_backward(da * up, gate))
-    return dh
-
-
-def grouped_wgrad(lhs_rows: torch.Tensor, rhs_rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """[E, m, n]: per expert, the sum over its rows of lhs_row^T rhs_row. A grouped GEMM over an
-    empty row range need not write its output block, so experts without rows are zeroed."""
-    dw = torch._grouped_mm(lhs_rows.t(), rhs_rows, offs=ends)
-    empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
-    return dw.masked_fill_(empty.view(-1, 1, 1), 0)
 
 
 def _expert_mlp(xs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor):

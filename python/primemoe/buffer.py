@@ -291,6 +291,8 @@ class Buffer:
         self._regions = {name: ep_region(self.workspace, name, world, max_tokens_per_rank, hidden, top_k,
                                          config.local_experts, row_align, self.put_peers) for name in layout}
         _open_buffers.append(self)
+        from .ep import register_buffer
+        self.handle = register_buffer(self)  # how the layer's ops name this buffer
 
     @property
     def closed(self) -> bool:
@@ -337,6 +339,8 @@ class Buffer:
             workspace = self.workspace
             del self.workspace, self._regions, self.epoch
             _open_buffers.remove(self)
+            from .ep import unregister_buffer
+            unregister_buffer(self.handle)
             lib._ep_workspace_free(workspace)
             if not _open_buffers:
                 lib._nvshmem_finalize()

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from .layer import moe
 from .routing import route
 
 __all__ = ["MoE"]
@@ -52,8 +53,6 @@ class MoE(nn.Module):
         nn.init.normal_(self.w2, std=1 / math.sqrt(self.intermediate))
 
     def forward(self, hidden_states: torch.Tensor, *, return_router_logits: bool = False):
-        from . import moe
-
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden)
         logits = self.gate(x)

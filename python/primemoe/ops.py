@@ -1,59 +1,39 @@
 """Python side of the torch.ops.primemoe library.
 
-The schemas live in C++ (csrc/binding.cpp). Here: fake (meta) kernels so
-torch.compile traces every op, the CPU and CUDA implementations of
-``moe_forward`` / ``moe_backward``, and their autograd formula.
+The schemas live in C++ (csrc/). Here: fake (meta) kernels so torch.compile traces every op,
+and the implementations of the public ops ``moe_forward`` / ``moe_backward`` with their
+autograd formula: on CPU the reference (primemoe.reference), on CUDA the layer's composition
+over ``layer.LocalTransport`` (layer.py). The internal ops of the ``buffer=`` path
+(``_ep_moe_forward`` / ``_ep_moe_backward``) are registered in layer.py.
 
-CUDA path: the ``dispatch_layout`` kernel (device-side counts and row maps, no host
-sync), ``gather_rows`` into expert-major order, the expert GEMM engine (persistent warp-specialised sm_90a kernels,
-csrc/gemm/) and the deterministic ``combine_reduce`` kernel, which sums each token's already
-weighted rows. The engine's ops:
+The primitives the composition is made of: the ``dispatch_layout`` kernel (device-side counts and
+row maps, no host sync), ``gather_rows`` into expert-major order, the expert GEMM engine (persistent
+warp-specialised sm_90a kernels, csrc/gemm/) and the deterministic ``combine_reduce`` kernel, which
+sums each token's already weighted rows. The engine's ops:
 
 - ``fc1_swiglu``: FC1 with SwiGLU in the epilogue over rows in expert-major order
   (pre-activations kept on request), with the producer's wait on arrival counters for
   expert parallelism;
-- ``fc1_swiglu_gather``: the same with its A rows gathered from the tokens by one
-  producer warp's cp.async copies; not used by the layer, because on the H200 the
-  separate ``gather_rows`` + TMA loads measured faster (1.4-1.6x, benchmarks/RESULTS.md);
 - ``expert_gemm``: FC2 forward (routing weight applied in the epilogue) and FC1 dgrad;
 - ``fc2_dgrad_swiglu``: FC2 dgrad with the SwiGLU backward, the routing weight and the
   ``<da, a>`` routing-weight gradient partials in the epilogue;
 - ``expert_wgrad``: both weight gradients, each expert's rows reduced inside one tile (given
   the layout's counts, only up to the last 64-row k-slice holding a routed row).
 
-Where the engine does not cover a problem (not an sm_90 GPU, sizes not multiples of
-the tiles, ``PRIMEMOE_GEMM=torch``) the same composition runs on ``torch._grouped_mm``.
-
-Kept or recomputed FC1 pre-activations: kept by default (``keep_fc1=True``): the
-backward then skips a third of the forward's FLOPs for 2·I·2 bytes per routed row;
-``keep_fc1=False`` recomputes them in the backward (FC1 + SwiGLU again) to save that
-memory.
-
 ``fc1_out`` is ``[rows, 2I]`` in the expert-major row order of
-``dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)``: experts in order, each expert's
-slots in slot order, each expert's range padded with zero rows to a multiple of
-``ROW_ALIGN`` (the GEMM tile height), rows past the padded total unused (zeros).
+``dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)`` (see layer.py), rows past the padded total zeros.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
-from . import reference
-from .baseline import grouped_wgrad, swiglu, swiglu_backward
+from . import layer, reference
+from ._constants import ROW_ALIGN, layout_max_rows
 from ._validate import check_precision
 
 lib = torch.ops.primemoe
-
-ROW_ALIGN = 64  # kGemmRowAlign of csrc/gemm/grouped_gemm.cuh
-
-
-def _layout_rows(num_slots: int, num_local: int, row_align: int) -> int:
-    return num_slots + num_local * (row_align - 1)
 
 
 # ---------------------------------------------------------------- fake kernels
@@ -62,7 +42,7 @@ def _layout_rows(num_slots: int, num_local: int, row_align: int) -> int:
 @torch.library.register_fake("primemoe::moe_forward")
 def _moe_forward_fake(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_fc1=True):
     T, K = topk_idx.shape
-    rows = _layout_rows(T * K, w1.shape[0], ROW_ALIGN) if keep_fc1 else 0
+    rows = layout_max_rows(T * K, w1.shape[0], ROW_ALIGN) if keep_fc1 else 0
     return x.new_empty(x.shape), x.new_empty(rows, w1.shape[1])
 
 
@@ -74,7 +54,7 @@ def _moe_backward_fake(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision
 
 @torch.library.register_fake("primemoe::dispatch_layout")
 def _dispatch_layout_fake(topk_idx, num_experts, expert_begin, num_local_experts, row_align):
-    rows = _layout_rows(topk_idx.numel(), num_local_experts, row_align)
+    rows = layout_max_rows(topk_idx.numel(), num_local_experts, row_align)
     new = lambda *shape: topk_idx.new_empty(shape, dtype=torch.int32)  # noqa: E731
     return new(num_local_experts), new(num_local_experts + 1), new(*topk_idx.shape), new(rows)
 
@@ -119,12 +99,6 @@ def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=
                      zero_unrouted=True):
     inter = w1.shape[1] // 2
     return rows.new_empty(rows.shape[0], inter), rows.new_empty(rows.shape[0] if keep_fc1 else 0, 2 * inter)
-
-
-@torch.library.register_fake("primemoe::fc1_swiglu_gather")
-def _fc1_swiglu_gather_fake(x, row_to_slot, top_k, w1, expert_offsets, keep_fc1):
-    rows, inter = row_to_slot.shape[0], w1.shape[1] // 2
-    return x.new_empty(rows, inter), x.new_empty(rows if keep_fc1 else 0, 2 * inter)
 
 
 @torch.library.register_fake("primemoe::fc2_dgrad_swiglu")
@@ -181,139 +155,22 @@ def _moe_backward_cpu(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision=
     return reference.moe_backward(dy, x, topk_idx, topk_weights, w1, w2)
 
 
-# ---------------------------------------------------------------- CUDA
-
-
-@functools.lru_cache(maxsize=None)
-def _engine_unsupported(device_index: int, hidden: int, intermediate: int) -> str:
-    return lib.expert_gemm_unsupported(device_index, hidden, intermediate)
-
-
-def use_engine(x: torch.Tensor, w1: torch.Tensor) -> bool:
-    """Whether the expert GEMM engine runs this problem (else ``torch._grouped_mm``)."""
-    if not x.is_cuda or os.environ.get("PRIMEMOE_GEMM", "engine") == "torch":
-        return False
-    return _engine_unsupported(x.device.index, x.shape[1], w1.shape[1] // 2) == ""
-
-
-def row_weights(topk_weights, row_to_slot):
-    """fp32 routing weight of each expert-major row, 0 on padding rows."""
-    return lib.gather_scalars(topk_weights.reshape(-1), row_to_slot)
-
-
-def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, zero_unrouted=True):
-    """FC1 + SwiGLU per expert over the expert-major rows: ``(a, h or an empty [0, 2I])``.
-    ``rows_ready`` (engine only): ``(counters, epoch, per_epoch, rank)``: FC1's producer waits for
-    ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows.
-    ``zero_unrouted=False`` (here and below): rows past ``offsets[-1]`` of the outputs are left
-    undefined instead of zeroed, for callers that read only the routed rows."""
-    if engine:
-        return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, *(rows_ready or ()), zero_unrouted=zero_unrouted)
-    h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets[1:])
-    return swiglu(h), (h if keep_fc1 else h.new_empty(0, h.shape[1]))
-
-
-def expert_fc2(a, w2, offsets, row_weight, engine, zero_unrouted=True):
-    """``row_weight * FC2(a)`` per expert: the routing weight is applied here (in the engine's
-    epilogue), so the combine only sums a token's rows."""
-    if engine:
-        return lib.expert_gemm(a, w2, offsets, False, row_weight, zero_unrouted=zero_unrouted)
-    o = torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets[1:])
-    return (o.float() * row_weight.unsqueeze(1)).to(o.dtype)
-
-
-def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine, zero_unrouted=True):
-    """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
-    *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed); ``counts``: the
-    layout's routed rows per expert (the engine's weight gradients skip the padding with them). Returns
-    ``(dxs, dw1, dw2, dtw_rows)``; ``dtw_rows[r] = <dy_r, FC2 output_r>`` = ``<da_r, a_r>``
-    (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept.
-    Reads no row of ``xs`` past ``offsets[-1]`` (ep.py saves only those): the engine skips tiles past
-    the routed rows, ``torch._grouped_mm`` reads only the rows inside its groups."""
-    if engine:
-        if h is None:  # the pre-activations only: FC1 without its SwiGLU epilogue
-            h = lib.expert_gemm(xs, w1, offsets, False, zero_unrouted=zero_unrouted)
-        dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets, zero_unrouted=zero_unrouted)
-        dw2 = lib.expert_wgrad(dy_rows, aw, offsets, counts)
-        dxs = lib.expert_gemm(dh, w1, offsets, True, zero_unrouted=zero_unrouted)
-        dw1 = lib.expert_wgrad(dh, xs, offsets, counts)
-        # With zero_unrouted=False the rows past offsets[-1] of dot are undefined, and so are their
-        # sums; nobody reads those rows.
-        return dxs, dw1, dw2, dot.sum(1)
-    ends = offsets[1:]
-    if h is None:
-        h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=ends)
-    a = swiglu(h)
-    weight = row_weight.unsqueeze(1)
-    da_unweighted = torch._grouped_mm(dy_rows, w2, offs=ends)
-    dh = swiglu_backward(h, (da_unweighted * weight).to(h.dtype))
-    dw2 = grouped_wgrad(dy_rows, (a.float() * weight).to(a.dtype), ends)
-    dxs = torch._grouped_mm(dh, w1, offs=ends)
-    dw1 = grouped_wgrad(dh, xs, ends)
-    every_row = torch.arange(h.shape[0], dtype=torch.int32, device=h.device).unsqueeze(1)
-    return dxs, dw1, dw2, lib.slot_dot(da_unweighted, a, every_row).view(-1)
-
-
-def moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, engine, row_align=ROW_ALIGN,
-                         zero_unrouted=False):
-    """The layer's forward; ``row_align`` (a multiple of ROW_ALIGN) sets the layout of ``fc1_out``, which the
-    backward must be given too (the ops use ROW_ALIGN). The GEMMs skip the rows past the routed ones
-    (``zero_unrouted=False``: only the combine reads their outputs, through the slots' rows), and the unused
-    rows of ``fc1_out`` are zeroed on their own; ``zero_unrouted=True``, for comparisons: the GEMMs write
-    zeros there instead."""
-    T, H = x.shape
-    K = topk_idx.shape[1]
-    E, two_i, _ = w1.shape
-    _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, row_align)
-    if T * K == 0:
-        return x.new_zeros(T, H), x.new_zeros(row_to_slot.numel() if keep_fc1 else 0, two_i)
-    routed_end = None if zero_unrouted else offsets  # the gather leaves the rows past the routed ones too
-    # Not fc1_swiglu_gather: on the H200 the separate gather + TMA loads are faster (benchmarks/RESULTS.md).
-    xs = lib.gather_rows(x, row_to_slot, K, None, slot_to_row, routed_end)
-    a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, zero_unrouted=zero_unrouted)
-    if keep_fc1 and not zero_unrouted:
-        lib.zero_unrouted_rows(h, offsets)  # fc1_out goes to the caller: no row of it is left undefined
-    o = expert_fc2(a, w2, offsets, row_weights(topk_weights, row_to_slot), engine, zero_unrouted=zero_unrouted)
-    return lib.combine_reduce(o, slot_to_row, None), h
-
-
-def moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, engine, row_align=ROW_ALIGN,
-                          zero_unrouted=False):
-    """The layer's backward; the GEMMs skip the rows past the routed ones as in the forward: the outputs
-    read only the slots' rows (the combine, ``gather_scalars``) and each expert's routed rows (the weight
-    gradients)."""
-    T, H = x.shape
-    K = topk_idx.shape[1]
-    E = w1.shape[0]
-    counts, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, row_align)
-    if T * K == 0:
-        return (torch.zeros_like(x), torch.zeros(T, K, dtype=torch.float32, device=x.device),
-                torch.zeros_like(w1), torch.zeros_like(w2))
-    # The layout and the gathered rows are rebuilt, not kept from the forward: xs is K times x.
-    routed_end = None if zero_unrouted else offsets
-    xs = lib.gather_rows(x, row_to_slot, K, None, slot_to_row, routed_end)
-    h = fc1_out if fc1_out is not None and fc1_out.numel() else None
-    dy_rows = lib.gather_rows(dy.contiguous(), row_to_slot, K, None, slot_to_row, routed_end)
-    row_weight = row_weights(topk_weights, row_to_slot)
-    dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
-                                              zero_unrouted)
-    d_topk_weights = lib.gather_scalars(dtw_rows, slot_to_row)
-    dx = lib.combine_reduce(dxs, slot_to_row, None)
-    return dx, d_topk_weights, dw1, dw2
+# ---------------------------------------------------------------- CUDA: the layer's composition
 
 
 def _moe_forward_cuda(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_fc1=True):
     check_precision(precision)
-    return moe_forward_composed(x, topk_idx, topk_weights, w1, w2, keep_fc1, use_engine(x, w1))
+    transport = layer.LocalTransport(topk_idx, w1.shape[0])
+    y, fc1_out, _ = layer.forward(transport, x, topk_weights, w1, w2, keep_fc1=keep_fc1)
+    return y, fc1_out
 
 
 def _moe_backward_cuda(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
     check_precision(precision)
-    return moe_backward_composed(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, use_engine(x, w1))
+    return layer.backward(layer.LocalTransport(topk_idx, w1.shape[0]), dy, x, topk_weights, w1, w2, fc1_out)
 
 
-# Registered as plain calls (the decorator form returns None) so the functions stay importable:
-# the CPU tests run the CUDA compositions through the primitives' CPU kernels.
+# Registered as plain calls (the decorator form returns None) so the functions stay importable.
 torch.library.impl("primemoe::moe_forward", "cpu", _moe_forward_cpu)
 torch.library.impl("primemoe::moe_backward", "cpu", _moe_backward_cpu)
 torch.library.impl("primemoe::moe_forward", "cuda", _moe_forward_cuda)

@@ -10,12 +10,13 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from helpers import (OUTPUT_NAMES, REFERENCE_SHAPES, ROUTINGS, ExpertLayer, assert_close_to_reference,
+from helpers import (OUTPUT_NAMES, REFERENCE_SHAPES, ROUTINGS, ExpertLayer, Outputs, assert_close_to_reference,
                      assert_contract_zeros, assert_error_within, assert_moe_outputs_match, assert_outputs_equal,
                      graph_replays, make_problem, poison_caching_allocator, reference64, run_module, run_moe)
 from naive import composite
 
 import primemoe
+from primemoe import layer
 
 pytestmark = pytest.mark.gpu
 
@@ -42,12 +43,24 @@ def test_small_shape_matches_reference(impl, tokens, routing):
     check_against_reference(IMPLS[impl], small_problem(tokens, routing, seed=tokens))
 
 
+def fallback_outputs(problem):
+    """Forward and backward of the layer's composition (moe_forward / moe_backward on CUDA) with the
+    engine turned off: the expert GEMMs on torch._grouped_mm."""
+    E = problem.w1.shape[0]
+    y, fc1_out, _ = layer.forward(layer.LocalTransport(problem.topk_idx, E), problem.x, problem.topk_weights,
+                                  problem.w1, problem.w2, engine=False)
+    dx, dtw, dw1, dw2 = layer.backward(layer.LocalTransport(problem.topk_idx, E), problem.dy, problem.x,
+                                       problem.topk_weights, problem.w1, problem.w2, fc1_out, engine=False)
+    return Outputs(y, dx, dtw.to(problem.topk_weights.dtype), dw1, dw2)
+
+
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "masked"])
 @pytest.mark.parametrize("tokens", [17, 4095])
-def test_grouped_mm_fallback_matches_reference(monkeypatch, tokens, routing):
-    """PRIMEMOE_GEMM=torch (and sizes the engine does not tile) run the same composition on torch._grouped_mm."""
-    monkeypatch.setenv("PRIMEMOE_GEMM", "torch")
-    check_against_reference(primemoe.moe, small_problem(tokens, routing, seed=tokens + 1))
+def test_grouped_mm_fallback_matches_reference(tokens, routing):
+    """The composition with the engine turned off (as for sizes the engine does not tile: the next test)
+    runs on torch._grouped_mm."""
+    problem = small_problem(tokens, routing, seed=tokens + 1)
+    assert_moe_outputs_match(fallback_outputs(problem), reference64(problem), composite(problem), problem)
 
 
 @pytest.mark.parametrize("tokens", [17, 4095])
