@@ -15,7 +15,7 @@ from engine_cases import engine_operands
 from helpers import REFERENCE_SHAPES, poison_caching_allocator
 
 import primemoe
-from primemoe import ops as shim
+from primemoe import layer
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.primemoe
@@ -359,7 +359,7 @@ def test_engine_covers_the_reference_shapes_on_this_gpu():
         assert ops.expert_gemm_unsupported(0, hidden, inter) == "", name
         x = torch.empty(1, hidden, dtype=torch.bfloat16, device="cuda")
         w1 = torch.empty(1, 2 * inter, 1, dtype=torch.bfloat16, device="cuda")
-        assert shim.use_engine(x, w1), name
+        assert layer.engine_supports(x, w1), name
     assert "multiple" in ops.expert_gemm_unsupported(0, 256, 128)
 
 
