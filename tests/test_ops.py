@@ -331,6 +331,12 @@ CPP_ERRORS = {
                              "expert_offsets: expected int32"),
     "zero_rows_strided": ("", "ops.zero_unrouted_rows(rows.t(), offsets)", "rows: expected a contiguous tensor"),
     "zero_offsets_int64": ("", "ops.zero_unrouted_rows(rows, offsets.long())", "expert_offsets: expected int32"),
+    "check_args_unknown_op": ("", "ops._check_args('gather', [x], [])",
+                              "_check_args: no argument check for op 'gather'"),
+    "check_args_counts": ("", "ops._check_args('slot_dot', [rows, rows], [])",
+                          "_check_args: slot_dot takes 3 tensors and 0 ints, got 2 and 0"),
+    "check_args_required": ("", "ops._check_args('slot_dot', [rows, None, slot_to_row], [])",
+                            "_check_args: slot_dot's tensor argument 1 is required"),
 }
 
 

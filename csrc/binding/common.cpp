@@ -1,7 +1,10 @@
 #include "common.h"
 
+#include <torch/library.h>
+
 #include <cstdlib>
 #include <limits>
+#include <map>
 
 #include "kernels/device_wait.cuh"
 
@@ -90,5 +93,45 @@ ScaleType scale_type_of(const std::optional<at::Tensor>& s, const char* name) {
   PRIMEMOE_CHECK(s->scalar_type() == at::kBFloat16, name, ": expected float32 or bfloat16, got ", s->scalar_type());
   return ScaleType::kBFloat16;
 }
+
+// ---------------------------------------------------------------- _check_args
+
+namespace {
+
+struct RegisteredCheck {
+  size_t tensors;
+  size_t ints;
+  ArgCheck check;
+};
+
+std::map<std::string, RegisteredCheck>& arg_checks() {
+  static std::map<std::string, RegisteredCheck> checks;  // filled by static initialisers of every area
+  return checks;
+}
+
+void check_args_op(const std::string& op, const c10::List<std::optional<at::Tensor>>& tensors,
+                   at::IntArrayRef ints) {
+  const auto found = arg_checks().find(op);
+  PRIMEMOE_CHECK(found != arg_checks().end(), "_check_args: no argument check for op '", op, "'");
+  const RegisteredCheck& c = found->second;
+  PRIMEMOE_CHECK(tensors.size() == c.tensors && ints.size() == c.ints, "_check_args: ", op, " takes ", c.tensors,
+                 " tensors and ", c.ints, " ints, got ", tensors.size(), " and ", ints.size());
+  OpArgs args{{}, std::vector<int64_t>(ints.begin(), ints.end()), found->first.c_str()};
+  for (size_t i = 0; i < tensors.size(); ++i) args.tensors.push_back(tensors.get(i));
+  c.check(args);
+}
+
+}  // namespace
+
+const at::Tensor& OpArgs::tensor(size_t i) const {
+  PRIMEMOE_CHECK(tensors[i].has_value(), "_check_args: ", op, "'s tensor argument ", i, " is required");
+  return *tensors[i];
+}
+
+ArgCheckRegistration::ArgCheckRegistration(const char* op, size_t tensors, size_t ints, ArgCheck check) {
+  arg_checks()[op] = {tensors, ints, check};
+}
+
+TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) { m.impl("_check_args", &check_args_op); }
 
 }  // namespace primemoe

@@ -11,6 +11,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/error_record.cuh"
 #include "kernels/row_ops.cuh"
@@ -59,6 +60,27 @@ void check_index(const at::Tensor& t, const char* name, int64_t dims);
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name);
 // kNone without a tensor, else its float32 / bfloat16 type (contiguous).
 ScaleType scale_type_of(const std::optional<at::Tensor>& s, const char* name);
+
+// ---------------------------------------------------------------- _check_args: the checks of Python's CPU kernels
+
+// An op's arguments as its CPU kernel (python/primemoe/_cpu.py) hands them to _check_args: its tensor arguments, then
+// its int and bool arguments, each in schema order.
+struct OpArgs {
+  std::vector<std::optional<at::Tensor>> tensors;
+  std::vector<int64_t> ints;
+  const char* op;
+
+  const at::Tensor& tensor(size_t i) const;  // a required tensor
+  const std::optional<at::Tensor>& optional(size_t i) const { return tensors[i]; }
+  int64_t integer(size_t i) const { return ints[i]; }
+};
+using ArgCheck = void (*)(const OpArgs& args);
+
+// Makes `check` (the argument check the op's CUDA impl runs) the one _check_args runs for `op`, which takes
+// `tensors` tensor and `ints` int/bool arguments. One static instance per op, beside its impls.
+struct ArgCheckRegistration {
+  ArgCheckRegistration(const char* op, size_t tensors, size_t ints, ArgCheck check);
+};
 
 // ---------------------------------------------------------------- the routing layout
 

@@ -87,7 +87,7 @@ void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what
 }
 
 // rows [R, K] x w[e] for each expert's rows: w is [E, N, K] (w_kn = false) or [E, K, N].
-void check_expert_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+void check_row_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
   check_rows(rows, "rows");
   check_weights3(w, "w");
   check_same_device(w, rows, "w");
@@ -104,10 +104,15 @@ void check_row_weight(const std::optional<at::Tensor>& row_weight, const at::Ten
   check_same_device(*row_weight, rows, "row_weight");
 }
 
+void check_expert_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
+                            const std::optional<at::Tensor>& row_weight) {
+  check_row_gemm_args(rows, w, offsets, w_kn);
+  check_row_weight(row_weight, rows);
+}
+
 at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
                             const std::optional<at::Tensor>& row_weight, bool zero_unrouted) {
-  check_expert_gemm_args(rows, w, offsets, w_kn);
-  check_row_weight(row_weight, rows);
+  check_expert_gemm_args(rows, w, offsets, w_kn, row_weight);
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t n = w_kn ? w.size(2) : w.size(1);
   auto out = at::empty({rows.size(0), n}, rows.options());
@@ -117,34 +122,6 @@ at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const a
   g.row_weight = row_weight.has_value() ? row_weight->data_ptr<float>() : nullptr;
   run_gemm(g, rows, "expert_gemm");
   return out;
-}
-
-// fp32 products of each expert's rows with its weight; rows outside every expert stay 0.
-at::Tensor expert_products_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
-  const int64_t n = w_kn ? w.size(2) : w.size(1);
-  auto out = at::zeros({rows.size(0), n}, rows.options().dtype(at::kFloat));
-  auto off = offsets.accessor<int32_t, 1>();
-  for (int64_t e = 0; e + 1 < offsets.numel(); ++e) {
-    if (off[e + 1] == off[e]) continue;
-    auto we = w_kn ? w[e].to(at::kFloat) : w[e].to(at::kFloat).t();
-    out.slice(0, off[e], off[e + 1]) = at::matmul(rows.slice(0, off[e], off[e + 1]).to(at::kFloat), we);
-  }
-  return out;
-}
-
-// On the CPU the rows past the routed ones are zeros either way (zeros are one of the undefined values).
-at::Tensor expert_gemm_cpu(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
-                           const std::optional<at::Tensor>& row_weight, bool) {
-  check_expert_gemm_args(rows, w, offsets, w_kn);
-  check_row_weight(row_weight, rows);
-  auto out = expert_products_cpu(rows, w, offsets, w_kn);
-  if (row_weight.has_value()) out *= row_weight->unsqueeze(1);
-  return out.to(at::kBFloat16);
-}
-
-void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets) {
-  check_expert_gemm_args(rows, w1, offsets, false);
-  PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
 }
 
 // The optional wait hook: before loading expert e's rows, the GEMM's producer waits until
@@ -167,13 +144,20 @@ void check_rows_ready(const std::optional<at::Tensor>& rows_ready, const std::op
   PRIMEMOE_CHECK(per_epoch >= 1, "per_epoch: expected >= 1, got ", per_epoch);
 }
 
+void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets,
+                    const std::optional<at::Tensor>& rows_ready, const std::optional<at::Tensor>& epoch,
+                    int64_t per_epoch) {
+  check_row_gemm_args(rows, w1, offsets, false);
+  PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
+  check_rows_ready(rows_ready, epoch, w1, per_epoch);
+}
+
 std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const at::Tensor& w1,
                                                    const at::Tensor& offsets, bool keep_fc1,
                                                    const std::optional<at::Tensor>& rows_ready,
                                                    const std::optional<at::Tensor>& epoch, int64_t per_epoch,
                                                    int64_t rank, bool zero_unrouted) {
-  check_fc1_args(rows, w1, offsets);
-  check_rows_ready(rows_ready, epoch, w1, per_epoch);
+  check_fc1_args(rows, w1, offsets, rows_ready, epoch, per_epoch);
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t inter = w1.size(1) / 2;
   auto a = at::empty({rows.size(0), inter}, rows.options());
@@ -194,24 +178,9 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
   return {a, h};
 }
 
-// On the CPU every row is in memory already: the wait hook's arguments are checked, nothing waits.
-std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cpu(const at::Tensor& rows, const at::Tensor& w1,
-                                                  const at::Tensor& offsets, bool keep_fc1,
-                                                  const std::optional<at::Tensor>& rows_ready,
-                                                  const std::optional<at::Tensor>& epoch, int64_t per_epoch,
-                                                  int64_t, bool) {
-  check_fc1_args(rows, w1, offsets);
-  check_rows_ready(rows_ready, epoch, w1, per_epoch);
-  const int64_t inter = w1.size(1) / 2;
-  auto h = expert_products_cpu(rows, w1, offsets, false).to(at::kBFloat16);
-  auto hf = h.to(at::kFloat);
-  auto a = (at::silu(hf.slice(1, 0, inter)) * hf.slice(1, inter)).to(at::kBFloat16);
-  return {a, keep_fc1 ? h : h.slice(0, 0, 0).contiguous()};
-}
-
 void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const at::Tensor& h,
                           const at::Tensor& row_weight, const at::Tensor& offsets) {
-  check_expert_gemm_args(dy_rows, w2, offsets, true);
+  check_row_gemm_args(dy_rows, w2, offsets, true);
   check_rows(h, "h");
   check_same_device(h, dy_rows, "h");
   const int64_t inter = w2.size(2);
@@ -243,27 +212,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cuda(const at::T
   g.out_dot = dot.data_ptr<float>();
   run_gemm(g, dy_rows, "fc2_dgrad_swiglu");
   return {dh, aw, dot};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cpu(const at::Tensor& dy_rows, const at::Tensor& w2,
-                                                                     const at::Tensor& h, const at::Tensor& row_weight,
-                                                                     const at::Tensor& offsets, bool) {
-  check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
-  const int64_t inter = w2.size(2);
-  auto da = expert_products_cpu(dy_rows, w2, offsets, true);
-  // Rows past the last expert give zeros whatever their inputs, as on the GPU.
-  const int64_t routed = offsets[offsets.numel() - 1].item<int32_t>();
-  auto inside = (at::arange(dy_rows.size(0)) < routed).unsqueeze(1);
-  auto hf = at::where(inside, h.to(at::kFloat), 0.0);
-  auto g = hf.slice(1, 0, inter);
-  auto u = hf.slice(1, inter);
-  auto s = at::sigmoid(g);
-  auto a = (g * s * u).to(at::kBFloat16).to(at::kFloat);
-  auto dot = (da * a).view({dy_rows.size(0), inter / kGemmTileN, kGemmTileN}).sum(-1);
-  auto w = at::where(inside, row_weight.unsqueeze(1), 0.0);
-  auto daw = da * w;
-  auto dh = at::cat({daw * u * s * (1 + g * (1 - s)), daw * g * s}, 1).to(at::kBFloat16);
-  return {dh, (a * w).to(at::kBFloat16), dot};
 }
 
 // out[e] = a_rows[rows of e]^T b_rows[rows of e]: the weight gradient, summed over each expert's rows.
@@ -300,25 +248,25 @@ at::Tensor expert_wgrad_cuda(const at::Tensor& a_rows, const at::Tensor& b_rows,
   return out;
 }
 
-at::Tensor expert_wgrad_cpu(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
-                            const std::optional<at::Tensor>& expert_rows) {
-  check_wgrad_args(a_rows, b_rows, offsets, expert_rows);
-  auto out = at::zeros({offsets.numel() - 1, a_rows.size(1), b_rows.size(1)}, a_rows.options());
-  auto off = offsets.accessor<int32_t, 1>();
-  for (int64_t e = 0; e + 1 < offsets.numel(); ++e) {
-    if (off[e + 1] == off[e]) continue;
-    out[e] = at::matmul(a_rows.slice(0, off[e], off[e + 1]).to(at::kFloat).t(),
-                        b_rows.slice(0, off[e], off[e + 1]).to(at::kFloat))
-                 .to(at::kBFloat16);
-  }
-  return out;
-}
-
 // Empty when the expert GEMM kernels cover an MoE of this size on `device`, else why not.
 std::string expert_gemm_unsupported_op(int64_t device, int64_t hidden, int64_t intermediate) {
   const char* why = "";
   return moe_gemms_supported(static_cast<int>(device), hidden, intermediate, &why) ? "" : why;
 }
+
+// The checks the CPU kernels (python/primemoe/_cpu.py) run through _check_args.
+const ArgCheckRegistration expert_gemm_check("expert_gemm", 4, 2, [](const OpArgs& a) {
+  check_expert_gemm_args(a.tensor(0), a.tensor(1), a.tensor(2), a.integer(0) != 0, a.optional(3));
+});
+const ArgCheckRegistration fc1_check("fc1_swiglu", 5, 4, [](const OpArgs& a) {
+  check_fc1_args(a.tensor(0), a.tensor(1), a.tensor(2), a.optional(3), a.optional(4), a.integer(1));
+});
+const ArgCheckRegistration fc2_dgrad_check("fc2_dgrad_swiglu", 5, 1, [](const OpArgs& a) {
+  check_fc2_dgrad_args(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4));
+});
+const ArgCheckRegistration wgrad_check("expert_wgrad", 4, 0, [](const OpArgs& a) {
+  check_wgrad_args(a.tensor(0), a.tensor(1), a.tensor(2), a.optional(3));
+});
 
 }  // namespace
 
@@ -327,13 +275,6 @@ TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
   m.impl("fc1_swiglu", &fc1_swiglu_cuda);
   m.impl("fc2_dgrad_swiglu", &fc2_dgrad_swiglu_cuda);
   m.impl("expert_wgrad", &expert_wgrad_cuda);
-}
-
-TORCH_LIBRARY_IMPL(primemoe, CPU, m) {
-  m.impl("expert_gemm", &expert_gemm_cpu);
-  m.impl("fc1_swiglu", &fc1_swiglu_cpu);
-  m.impl("fc2_dgrad_swiglu", &fc2_dgrad_swiglu_cpu);
-  m.impl("expert_wgrad", &expert_wgrad_cpu);
 }
 
 TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {

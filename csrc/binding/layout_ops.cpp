@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <limits>
 #include <string>
-#include <vector>
 
 #include "common.h"
 #include "gemm/grouped_gemm.cuh"
@@ -36,46 +35,10 @@ LayoutResult dispatch_layout_cuda(const at::Tensor& topk_idx, int64_t num_expert
   return launch_layout(topk_idx, num_experts, expert_begin, num_local, row_align, nullptr);
 }
 
-// Same layout on the host; out-of-range ids raise at once (the data is already here).
-LayoutResult dispatch_layout_cpu(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin,
-                                 int64_t num_local, int64_t row_align) {
-  check_layout_args(topk_idx, num_experts, expert_begin, num_local, row_align);
-  const auto ids = topk_idx.to(at::kLong).contiguous();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const int64_t num_slots = ids.numel(), K = ids.size(1);
-  const auto opts = topk_idx.options().dtype(at::kInt);
-  auto counts = at::zeros({num_local}, opts);
-  auto offsets = at::empty({num_local + 1}, opts);
-  auto slot_to_row = at::empty(topk_idx.sizes(), opts);
-  auto row_to_slot = at::full({layout_max_rows(num_slots, num_local, row_align)}, -1, opts);
-  int32_t* c = counts.data_ptr<int32_t>();
-  for (int64_t s = 0; s < num_slots; ++s) {
-    PRIMEMOE_CHECK(id[s] >= -1 && id[s] < num_experts, "topk_idx[", s / K, ", ", s % K, "] = ", id[s],
-                   " is not an expert id (expected -1 or a value in [0, ", num_experts, "))");
-    const int64_t local = id[s] - expert_begin;
-    if (id[s] >= 0 && local >= 0 && local < num_local) ++c[local];
-  }
-  int32_t* o = offsets.data_ptr<int32_t>();
-  std::vector<int32_t> next(num_local);
-  int32_t offset = 0;
-  for (int64_t e = 0; e < num_local; ++e) {
-    o[e] = next[e] = offset;
-    offset += layout_padded(c[e], row_align);
-  }
-  o[num_local] = offset;
-  int32_t* s2r = slot_to_row.data_ptr<int32_t>();
-  int32_t* r2s = row_to_slot.data_ptr<int32_t>();
-  for (int64_t s = 0; s < num_slots; ++s) {
-    const int64_t local = id[s] - expert_begin;
-    if (id[s] >= 0 && local >= 0 && local < num_local) {
-      s2r[s] = next[local]++;
-      r2s[s2r[s]] = static_cast<int32_t>(s);
-    } else {
-      s2r[s] = -1;
-    }
-  }
-  return {counts, offsets, slot_to_row, row_to_slot};
-}
+// The check the CPU kernel (python/primemoe/_cpu.py) runs through _check_args.
+const ArgCheckRegistration layout_check("dispatch_layout", 1, 4, [](const OpArgs& a) {
+  check_layout_args(a.tensor(0), a.integer(0), a.integer(1), a.integer(2), a.integer(3));
+});
 
 // Rows of dispatch_layout's row_to_slot (python/primemoe/_constants.py).
 int64_t layout_max_rows_op(int64_t num_slots, int64_t num_local, int64_t row_align) {
@@ -144,8 +107,6 @@ LayoutResult launch_layout(const at::Tensor& topk_idx, int64_t num_experts, int6
 }
 
 TORCH_LIBRARY_IMPL(primemoe, CUDA, m) { m.impl("dispatch_layout", &dispatch_layout_cuda); }
-
-TORCH_LIBRARY_IMPL(primemoe, CPU, m) { m.impl("dispatch_layout", &dispatch_layout_cpu); }
 
 TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
   m.impl("_layout_max_rows", &layout_max_rows_op);

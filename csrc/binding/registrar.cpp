@@ -1,6 +1,6 @@
-// Every schema of torch.ops.primemoe; the implementations register from one file per area
-// (layout_ops, rows_ops, gemm_ops, ep_ops, error_ops) and, for moe_forward / moe_backward and the
-// fake kernels, from python/primemoe/. Ops named with a leading underscore are internal.
+// Every schema of torch.ops.primemoe. The CUDA and host-side implementations register from one file per area
+// (layout_ops, rows_ops, gemm_ops, ep_ops, error_ops); the primitives' CPU kernels (python/primemoe/_cpu.py), the
+// layer's ops and the fake kernels from python/primemoe/. Ops named with a leading underscore are internal.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -79,6 +79,11 @@ TORCH_LIBRARY(primemoe, m) {
       "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "
       "int rank, int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, int num_sms, "
       "bool put_peers=False, bool force_put=False) -> ()");
+
+  // ---------------------------------------------------------------- argument checks (common.cpp)
+  // The argument check of `op`'s CUDA impl, run by its CPU kernel (python/primemoe/_cpu.py): the op's tensor
+  // arguments, then its int and bool arguments, in schema order.
+  m.def("_check_args(str op, Tensor?[] tensors, int[] ints) -> ()");
 
   // ---------------------------------------------------------------- device errors (error_ops.cpp)
   m.def("_take_error(int device) -> int[]");

@@ -4,8 +4,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "common.h"
 
 namespace primemoe {
@@ -17,6 +15,7 @@ void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int
   check_rows(src, "src");
   check_index(row_to_slot, "row_to_slot", 1);
   PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
+  scale_type_of(scale, "scale");
   if (scale.has_value()) {
     PRIMEMOE_CHECK(scale->numel() == src.size(0) * top_k, "scale: expected ", src.size(0) * top_k,
                 " elements (one per slot), got ", scale->numel());
@@ -66,26 +65,10 @@ at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot
   return dst;
 }
 
-// slot_to_row is not needed here: the rows are taken in row order. Rows past expert_offsets[-1] are written
-// either way (zeros are one of the undefined values).
-at::Tensor gather_rows_cpu(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
-                           const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row,
-                           const std::optional<at::Tensor>& offsets) {
-  check_gather_args(src, row_to_slot, top_k, scale, slot_to_row, offsets);
-  const int64_t slots = src.size(0) * top_k;
-  if (slots == 0) return at::zeros({row_to_slot.size(0), src.size(1)}, src.options());
-  // A slot outside [0, T * K) gives a zero row, as on the GPU.
-  const auto slot_ids = row_to_slot.to(at::kLong);  // T * K may pass int32
-  const auto valid = slot_ids.ge(0).logical_and(slot_ids.lt(slots));
-  const auto slot = slot_ids.clamp(0, slots - 1);
-  auto rows = src.index_select(0, slot.div(top_k, "floor")).to(at::kFloat);
-  if (scale.has_value()) rows = rows * scale->reshape({-1}).to(at::kFloat).index_select(0, slot).unsqueeze(1);
-  return at::where(valid.unsqueeze(1), rows, at::zeros({}, rows.options())).to(src.scalar_type());
-}
-
 void check_combine_args(const at::Tensor& rows, const at::Tensor& slot_to_row, const std::optional<at::Tensor>& w) {
   check_rows(rows, "rows");
   check_index(slot_to_row, "slot_to_row", 2);
+  scale_type_of(w, "weights");
   if (w.has_value()) {
     PRIMEMOE_CHECK(w->sizes() == slot_to_row.sizes(), "weights: expected shape ", slot_to_row.sizes(), ", got ",
                 w->sizes());
@@ -110,22 +93,6 @@ at::Tensor combine_reduce_cuda(const at::Tensor& rows, const at::Tensor& slot_to
   return y;
 }
 
-// Rows of the slots, [T, K, H] in fp32, zero where a slot has no row.
-at::Tensor slot_rows_cpu(const at::Tensor& rows, const at::Tensor& slot_to_row) {
-  const auto valid = slot_to_row.ge(0).unsqueeze(-1);
-  const auto idx = slot_to_row.clamp_min(0).reshape({-1}).to(at::kLong);
-  auto g = rows.index_select(0, idx).to(at::kFloat).view({slot_to_row.size(0), slot_to_row.size(1), rows.size(1)});
-  return at::where(valid, g, at::zeros({}, g.options()));
-}
-
-at::Tensor combine_reduce_cpu(const at::Tensor& rows, const at::Tensor& slot_to_row,
-                              const std::optional<at::Tensor>& weights) {
-  check_combine_args(rows, slot_to_row, weights);
-  auto g = slot_rows_cpu(rows, slot_to_row);
-  if (weights.has_value()) g = g * weights->to(at::kFloat).unsqueeze(-1);
-  return g.sum(1).to(rows.scalar_type());
-}
-
 void check_slot_dot_args(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
   check_rows(a, "a");
   check_rows(b, "b");
@@ -146,11 +113,6 @@ at::Tensor slot_dot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
   args.width = static_cast<int32_t>(a.size(1));
   check_cuda(launch_slot_dot(args, c10::cuda::getCurrentCUDAStream()), "slot_dot");
   return out;
-}
-
-at::Tensor slot_dot_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
-  check_slot_dot_args(a, b, slot_to_row);
-  return (slot_rows_cpu(a, slot_to_row) * slot_rows_cpu(b, slot_to_row)).sum(-1);
 }
 
 void check_gather_scalars_args(const at::Tensor& values, const at::Tensor& index) {
@@ -176,15 +138,6 @@ at::Tensor gather_scalars_cuda(const at::Tensor& values, const at::Tensor& index
   args.count = index.numel();
   check_cuda(launch_gather_scalars(args, c10::cuda::getCurrentCUDAStream()), "gather_scalars");
   return out;
-}
-
-at::Tensor gather_scalars_cpu(const at::Tensor& values, const at::Tensor& index) {
-  check_gather_scalars_args(values, index);
-  const int64_t n = values.size(0);
-  auto out = at::zeros(index.sizes(), values.options().dtype(at::kFloat));
-  if (n == 0) return out;
-  const auto taken = values.index_select(0, index.clamp(0, n - 1).reshape({-1}).to(at::kLong)).to(at::kFloat);
-  return at::where(index.ge(0).logical_and(index.lt(n)), taken.view(index.sizes()), out);
 }
 
 // copy_routed_rows: a new tensor whose rows [0, expert_offsets[-1]) are those of `rows`; rows past
@@ -216,12 +169,6 @@ at::Tensor copy_routed_rows_cuda(const at::Tensor& rows, const at::Tensor& offse
   return out;
 }
 
-// Copies every row: whatever a consumer reads past the bound stays what the source held there.
-at::Tensor copy_routed_rows_cpu(const at::Tensor& rows, const at::Tensor& offsets) {
-  check_routed_rows_args(rows, offsets);
-  return rows.clone();
-}
-
 // zero_unrouted_rows: rows [expert_offsets[-1], rows) of `rows` set to zero in place, the bound read on the device
 // (no host sync): a GEMM run with zero_unrouted=False leaves those rows undefined, and a caller that hands such a
 // tensor on (the layer's fc1_out) zeroes them in one pass over the unrouted rows only.
@@ -238,11 +185,25 @@ void zero_unrouted_rows_cuda(at::Tensor& rows, const at::Tensor& offsets) {
   check_cuda(launch_zero_unrouted_rows(a, c10::cuda::getCurrentCUDAStream()), "zero_unrouted_rows");
 }
 
-void zero_unrouted_rows_cpu(at::Tensor& rows, const at::Tensor& offsets) {
-  check_routed_rows_args(rows, offsets);
-  const int64_t bound = std::clamp<int64_t>(offsets[-1].item<int32_t>(), 0, rows.size(0));
-  rows.slice(0, bound).zero_();
-}
+// The checks the CPU kernels (python/primemoe/_cpu.py) run through _check_args.
+const ArgCheckRegistration gather_check("gather_rows", 5, 1, [](const OpArgs& a) {
+  check_gather_args(a.tensor(0), a.tensor(1), a.integer(0), a.optional(2), a.optional(3), a.optional(4));
+});
+const ArgCheckRegistration combine_check("combine_reduce", 3, 0, [](const OpArgs& a) {
+  check_combine_args(a.tensor(0), a.tensor(1), a.optional(2));
+});
+const ArgCheckRegistration slot_dot_check("slot_dot", 3, 0, [](const OpArgs& a) {
+  check_slot_dot_args(a.tensor(0), a.tensor(1), a.tensor(2));
+});
+const ArgCheckRegistration scalars_check("gather_scalars", 2, 0, [](const OpArgs& a) {
+  check_gather_scalars_args(a.tensor(0), a.tensor(1));
+});
+const ArgCheckRegistration copy_check("copy_routed_rows", 2, 0, [](const OpArgs& a) {
+  check_routed_rows_args(a.tensor(0), a.tensor(1));
+});
+const ArgCheckRegistration zero_check("zero_unrouted_rows", 2, 0, [](const OpArgs& a) {
+  check_routed_rows_args(a.tensor(0), a.tensor(1));
+});
 
 }  // namespace
 
@@ -253,15 +214,6 @@ TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
   m.impl("gather_scalars", &gather_scalars_cuda);
   m.impl("copy_routed_rows", &copy_routed_rows_cuda);
   m.impl("zero_unrouted_rows", &zero_unrouted_rows_cuda);
-}
-
-TORCH_LIBRARY_IMPL(primemoe, CPU, m) {
-  m.impl("gather_rows", &gather_rows_cpu);
-  m.impl("combine_reduce", &combine_reduce_cpu);
-  m.impl("slot_dot", &slot_dot_cpu);
-  m.impl("gather_scalars", &gather_scalars_cpu);
-  m.impl("copy_routed_rows", &copy_routed_rows_cpu);
-  m.impl("zero_unrouted_rows", &zero_unrouted_rows_cpu);
 }
 
 }  // namespace primemoe

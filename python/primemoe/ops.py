@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
+from . import _cpu  # noqa: F401  (registers the primitives' CPU kernels)
 from . import layer, reference
 from ._constants import ROW_ALIGN, layout_max_rows
 from ._validate import check_precision
