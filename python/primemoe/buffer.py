@@ -38,7 +38,7 @@ __all__ = ["Buffer", "EpConfig", "buffer_config", "ep_layout", "ep_region", "ep_
 
 lib = torch.ops.primemoe
 
-# The receive layout's default alignment. The engine takes any multiple of ops.ROW_ALIGN (64, whose half
+# The receive layout's default alignment. The engine takes any multiple of _constants.ROW_ALIGN (64, whose half
 # tiles spare padding work on one GPU); the expert-parallel suite last ran on two GPUs at 128.
 EP_ROW_ALIGN = 128
 
