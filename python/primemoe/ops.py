@@ -31,7 +31,7 @@ import torch
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from . import _cpu  # noqa: F401  (registers the primitives' CPU kernels)
 from . import layer, reference
-from ._constants import ROW_ALIGN, layout_max_rows
+from ._constants import ROW_ALIGN, TILE_N, layout_max_rows
 from ._validate import check_precision
 
 lib = torch.ops.primemoe
@@ -106,7 +106,7 @@ def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=
 def _fc2_dgrad_swiglu_fake(dy_rows, w2, h, row_weight, expert_offsets, zero_unrouted=True):
     R, inter = dy_rows.shape[0], w2.shape[2]
     return (dy_rows.new_empty(R, 2 * inter), dy_rows.new_empty(R, inter),
-            dy_rows.new_empty(R, inter // 256, dtype=torch.float32))
+            dy_rows.new_empty(R, inter // TILE_N, dtype=torch.float32))
 
 
 @torch.library.register_fake("primemoe::expert_wgrad")
@@ -187,6 +187,8 @@ def _setup_context(ctx, inputs, output):
     ctx.precision = precision
     ctx.keep_fc1 = keep_fc1
     ctx.weights_dtype = topk_weights.dtype
+    # fc1_out gets no gradient: without this, autograd would fill a zero tensor of its size for every backward.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2, fc1_out if keep_fc1 else None)
 
 
