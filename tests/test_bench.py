@@ -86,7 +86,7 @@ def test_settle_is_in_the_timing_note():
     note = bench._timing_note(bench.parse_args([]))
     assert "raw ops: each implementation alone, 2 s idle before each case and implementation" in note
     assert "torch.autograd.grad(y, [x, topk_weights, w1, w2], dy)" in note
-    assert "take turns in every iteration" in note and "after 2 s idle and none between them" in note
+    assert "each its iterations back to back" in note and "after 2 s idle and none between them" in note
     assert "5 s idle before each case" in bench._timing_note(bench.parse_args(["--comm", "--settle", "5"]))
     assert "0.5 s idle" in bench._timing_note(bench.parse_args(["--settle", "0.5"]))
     assert "raw ops: not timed (--no-raw)" in bench._timing_note(bench.parse_args(["--no-raw"]))
@@ -374,20 +374,21 @@ class _Recorder:
 
 
 def test_implementations_take_turns_and_a_failing_one_drops_out(fake_cuda):
-    """Within an iteration every runner does its forward then backward; the order reverses every other iteration;
-    the warm-up is dropped; a runner that raises is recorded and the others go on."""
+    """Each runner does its iterations (forward then backward) back to back, one runner after the other; the warm-up
+    is dropped; a runner that raises is recorded and the others go on."""
     args = bench.parse_args(["--warmup", "1", "--iters", "3"])
     flush, dy = torch.empty(8, dtype=torch.int8), torch.zeros(1)
     log = []
     runs = bench._time_turns({"a": _Recorder("a", log), "b": _Recorder("b", log)}, dy, args, None, flush)
     turn = {"a": ["a.fwd", "a.bwd"], "b": ["b.fwd", "b.bwd"]}
-    assert log == [*turn["a"], *turn["b"], *turn["b"], *turn["a"]] * 2
+    assert log == turn["a"] * 4 + turn["b"] * 4
     assert runs == {"a": {"fwd": [1.0] * 3, "bwd": [1.0] * 3}, "b": {"fwd": [1.0] * 3, "bwd": [1.0] * 3}}
 
     log = []
     runs = bench._time_turns({"a": _Recorder("a", log), "b": _Recorder("b", log, fail_at=2)}, dy, args, None, flush)
     assert runs["b"] == {"error": "RuntimeError: b fails"} and runs["a"]["fwd"] == [1.0] * 3
     assert log.count("b.fwd") == 2 and log.count("b.bwd") == 1 and log.count("a.bwd") == 4
+    assert log[-1] == "b.fwd", "a runner stops at its first error"
     assert bench._time(_Recorder("c", []), bench.Inputs(*[dy] * 6), args, None, flush) == ([1.0] * 3, [1.0] * 3)
 
 
