@@ -145,3 +145,16 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
             f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is not an expert id: expected -1 or a value in "
             f"[0, {num_experts})"
         )
+
+
+def check_fp8_problem(hidden: int, intermediate: int) -> None:
+    """The blockwise FP8 recipe's sizes (DESIGN.md section 2): 1x128 tiles of x / dy along H and of the
+    SwiGLU output along I, 128x128 blocks of w1 [2I, H] and w2 [H, I], so H and I must be multiples of 128.
+    Raises ValueError naming the argument the size comes from (x for H, w1 for I)."""
+    block = 128
+    if hidden % block:
+        raise ValueError(f"x: hidden size H={hidden} is not supported with FP8: expected a multiple of {block} "
+                         f"(the recipe's 1x128 tiles and 128x128 weight blocks)")
+    if intermediate % block:
+        raise ValueError(f"w1: intermediate size I={intermediate} is not supported with FP8: expected a multiple "
+                         f"of {block} (the recipe's 1x128 tiles and 128x128 weight blocks)")
