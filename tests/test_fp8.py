@@ -217,13 +217,14 @@ def test_non_finite_values_poison_only_their_tile(pow2):
     assert_same_quantisation((q[:1, 128:], s[:1, 1:]), fp8.quantize_1x128(t[:1, 128:], pow2))
 
 
-@pytest.mark.xfail(strict=True, reason="recipe hole (fp8.py doc): 448 / amax overflows float32 for amax < "
-                                      "448 / FLT_MAX, then 0 * inf = NaN on the tile's zeros")
 def test_tiny_tile_stays_finite():
+    """448 / amax would overflow float32 below amax = 448 / FLT_MAX: the multiplier is capped at 2^126."""
     t = torch.full((1, 128), 1e-37)
     t[0, 1] = 0
+    t[0, 2] = -9.2e-41  # a bf16 subnormal
     q, s = fp8.quantize_1x128(t)
-    assert torch.isfinite(fp8.dequantize_1x128(q, s)).all()
+    assert s.item() == 2.0 ** -126
+    assert torch.isfinite(fp8.dequantize_1x128(q, s)).all() and q.float()[0, 1] == 0
 
 
 def test_tile_with_one_huge_value():

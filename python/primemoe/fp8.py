@@ -11,7 +11,8 @@ These functions are the single definition the CUDA quantisation kernels are test
    - ``amax == 0`` (a tile of zeros): ``m = 1.0``;
    - else ``m = float32(448.0) / amax``, one IEEE float32 division rounded to nearest (not
      ``448 * (1 / amax)``: note that ``448.0 / tensor`` in PyTorch is exactly that two-rounding form, so
-     the code below calls ``torch.div``; in CUDA, ``448.0f / amax`` without ``-use_fast_math``/``__fdividef``);
+     the code below calls ``torch.div``; in CUDA, ``448.0f / amax`` without ``-use_fast_math``/``__fdividef``),
+     then capped at ``2**126`` (``min(m, 2**126)``: see "Tiny tiles" below);
    - ``pow2=True`` (the default, TransformerEngine's): ``m`` rounded **down** to a power of two by clearing
      its 23 mantissa bits, ``m = bits(m) & 0x7F800000``. The stored scale is then ``amax / 448`` rounded
      **up** to a power of two, so ``|t32 * m| <= 448``: no value overflows.
@@ -32,10 +33,9 @@ record: a NaN makes ``amax`` NaN (``torch.amax`` propagates it; CUDA's ``fmaxf``
 NaN ``m`` into ``+inf``, so ``s = 0``, the NaN (and any zero) dequantises to NaN and the rest of the tile to
 0. An infinity makes ``amax = inf``, ``m = 0``, ``s = inf``: the whole tile dequantises to NaN.
 
-Known hole of the recipe as specified (finite input, non-finite output): a tile with ``0 < amax < 448 /
-FLT_MAX`` (about 1.3e-36; bf16 reaches 9.2e-41) overflows ``m`` to ``+inf``, so ``s = 0``, its non-zero
-values dequantise to 0 and its exact zeros to NaN (``0 * inf``). Clamping ``m`` to ``2**127`` would close it;
-it is left as specified until the recipe changes (tests/test_fp8.py keeps a strict xfail on it).
+Tiny tiles: ``m`` is capped at ``2**126`` (``M_MAX``) after the division, so a tile with ``0 < amax < 448 /
+2**126`` (about 5.3e-36; bf16 subnormals reach 9.2e-41) gets ``m = 2**126`` and the normal scale ``2**-126``
+instead of ``m = +inf`` (which would make its exact zeros NaN).
 
 Tile shapes:
 
@@ -66,6 +66,7 @@ __all__ = [
 ]
 
 E4M3_MAX = 448.0
+M_MAX = 2.0 ** 126  # the largest multiplier: its scale 1 / M_MAX is still a normal float32
 BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -78,6 +79,9 @@ _EXPONENT_BITS = 0x7F800000  # the float32 exponent field: m & this = 2 ** floor
 def _multiplier(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     """The quantisation multiplier ``m`` of each tile from its float32 ``amax`` (steps 3 of the module doc)."""
     m = torch.div(torch.full_like(amax, E4M3_MAX), amax)  # IEEE float32 division (not reciprocal * 448)
+    # Capped at 2^126 (amax < 448 / 2^126 ~ 5.3e-36, e.g. bf16 subnormals): 448 / amax would overflow to +inf, and
+    # the scale 1 / m stays a normal float.
+    m = torch.clamp(m, max=M_MAX)
     m = torch.where(amax == 0, torch.ones_like(m), m)
     if pow2:
         m = torch.bitwise_and(m.view(torch.int32), _EXPONENT_BITS).view(torch.float32)
