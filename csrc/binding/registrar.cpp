@@ -1,6 +1,7 @@
 // Every schema of torch.ops.primemoe. The CUDA and host-side implementations register from one file per area
-// (layout_ops, rows_ops, gemm_ops, ep_ops, error_ops); the primitives' CPU kernels (python/primemoe/_cpu.py), the
-// layer's ops and the fake kernels from python/primemoe/. Ops named with a leading underscore are internal.
+// (layout_ops, rows_ops, gemm_ops, quant_ops, ep_ops, error_ops); the primitives' CPU kernels
+// (python/primemoe/_cpu.py, _quant_ops.py), the layer's ops and the fake kernels from python/primemoe/. Ops named
+// with a leading underscore are internal.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -79,6 +80,14 @@ TORCH_LIBRARY(primemoe, m) {
       "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "
       "int rank, int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, int num_sms, "
       "bool put_peers=False, bool force_put=False) -> ()");
+
+  // ---------------------------------------------------------------- FP8 quantisation (quant_ops.cpp)
+  // Blockwise E4M3, one fp32 dequantisation scale per tile (python/primemoe/fp8.py; pow2: scales rounded up to
+  // powers of two): 1x128 tiles along K, x [M, K] -> (q [M, K], s [M, K/128]); 128x1 tiles along M, output
+  // transposed, x [M, K] -> (q_t [K, M], s [K, M/128]); 128x128 blocks, w [..., N, K] -> (q, s [..., N/128, K/128]).
+  m.def("quantize_fp8_1x128(Tensor x, bool pow2=True) -> (Tensor, Tensor)");
+  m.def("quantize_fp8_128x1(Tensor x, bool pow2=True) -> (Tensor, Tensor)");
+  m.def("quantize_fp8_128x128(Tensor w, bool pow2=True) -> (Tensor, Tensor)");
 
   // ---------------------------------------------------------------- argument checks (common.cpp)
   // The argument check of `op`'s CUDA impl, run by its CPU kernel (python/primemoe/_cpu.py): the op's tensor

@@ -30,6 +30,7 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from . import _cpu  # noqa: F401  (registers the primitives' CPU kernels)
+from . import _quant_ops  # noqa: F401  (the FP8 quantisation ops' fakes and CPU kernels)
 from . import layer, reference
 from ._constants import ROW_ALIGN, TILE_N, layout_max_rows
 from ._validate import check_precision
