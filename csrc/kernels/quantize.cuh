@@ -4,13 +4,12 @@
 //
 // Per tile (python/primemoe/fp8.py is the same rule in PyTorch; the kernels equal it bitwise):
 //   amax = max |t| over the tile (fp32)
-//   m    = amax == 0 ? 1 : 448 / amax (IEEE fp32 division); with pow2, m rounded down to a power of two
-//          (mantissa cleared), so the stored scale is amax / 448 rounded up to a power of two
+//   m    = amax == 0 ? 1 : min(448 / amax, 2^126) (IEEE fp32 division; the cap keeps tiles of tiny values,
+//          amax < 448 / 2^126 ~ 5.3e-36, finite with a normal scale); with pow2, m rounded down to a power of
+//          two (mantissa cleared), so the stored scale is amax / 448 rounded up to a power of two
 //   q    = e4m3(clamp(t * m, -448, 448)), fp32 multiply, round to nearest even
 //   s    = 1 / m, the dequantisation scale: t ~ q * s
-// Non-finite inputs are outside the contract (here a NaN is ignored by amax; fp8.py's amax propagates it). A
-// tile whose amax is below 448 / FLT_MAX (~1.3e-36) gets m = inf: its nonzero values become +-448, its zeros
-// NaN (0x7F; fp8.py's may carry the sign bit), s = 0.
+// Non-finite inputs are outside the contract (here a NaN is ignored by amax; fp8.py's amax propagates it).
 //
 // One kernel launch per call, no host sync, nothing allocated: capturable in a CUDA graph; every output
 // element is written; the result does not depend on the grid (max is order-independent).
@@ -28,6 +27,7 @@ namespace primemoe {
 
 constexpr int kFp8Tile = 128;       // values per scale along a tile's long side
 constexpr float kFp8E4M3Max = 448.0f;
+constexpr float kFp8MaxMultiplier = 0x1p126f;  // fp8.M_MAX: its scale 2^-126 is a normal float
 
 // q[r, c] = quantised x[r, c] with the scale of tile (r, c / 128): scale[r, c / 128].
 struct Quantize1x128Args {
@@ -72,7 +72,7 @@ cudaError_t launch_quantize_128x128(const Quantize128x128Args& args, cudaStream_
 // The quantisation multiplier of a tile whose largest magnitude is amax.
 __device__ __forceinline__ float fp8_multiplier(float amax, bool pow2) {
   if (amax == 0.0f) return 1.0f;
-  const float m = __fdiv_rn(kFp8E4M3Max, amax);
+  const float m = fminf(__fdiv_rn(kFp8E4M3Max, amax), kFp8MaxMultiplier);
   return pow2 ? __int_as_float(__float_as_int(m) & 0x7F800000) : m;
 }
 

@@ -31,8 +31,8 @@ def make_input(shape, seed):
     tiling. In the [rows, K] view: row 0 zeros; rows 128 .. 256 x columns 128 .. 256 zeros (a zero tile in
     every tiling); row 1 small (2^-15) but for one 1.0 per 128 columns (its quantised values are E4M3
     subnormals); a value near the bf16 maximum in row 2; 16 values of row 3 times 1e30; in row 4 a tile of amax
-    1e-33 holding bf16 subnormals; the last row's first 128 values negative. No tile has 0 < amax < 448 / FLT_MAX
-    (outside the tested contract)."""
+    1e-33 holding bf16 subnormals; the last row's first 128 values negative; rows 256 .. 384 x columns 0 .. 256 tiny
+    (1e-38, 1e-36: multipliers capped at 2^126)."""
     gen = torch.Generator().manual_seed(seed)
     rows, K = math.prod(shape[:-1]), shape[-1]
     t = torch.randn(rows, K, generator=gen)
@@ -48,6 +48,10 @@ def make_input(shape, seed):
     if rows > 4 and K >= 256:  # a tile of amax 1e-33, bf16 subnormals in it quantised to nonzero values
         t[4, 128:256] = torch.randn(128, generator=gen) * 1e-34
         t[4, 130], t[4, 131], t[4, 132] = 1e-33, 5e-39, -3e-39
+    # Tiles of tiny values in every tiling (bf16 subnormals among them): 448 / amax overflows (first 128 columns)
+    # or passes 2^126 (next 128), the multiplier is capped at 2^126.
+    t[256:384, :128] = torch.randn(t[256:384, :128].shape, generator=gen) * 1e-38
+    t[256:384, 128:256] = torch.randn(t[256:384, 128:256].shape, generator=gen) * 1e-36
     if rows > 4:
         t[-1, :128] = -t[-1, :128].abs()
     if rows > 0:
