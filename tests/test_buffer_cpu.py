@@ -4,13 +4,17 @@ NVSHMEM are touched), the NVSHMEM environment rules and moe(buffer=...) argument
 import contextlib
 import dataclasses
 import os
+import re
+import subprocess
+import sys
+import textwrap
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import make_problem
+from helpers import PRIMEMOE_ROOT, make_problem
 
 import primemoe
 from primemoe import buffer as buffer_module
@@ -285,3 +289,49 @@ def test_a_problem_the_buffer_was_not_made_for(changes, device, error, pattern):
 def test_precision_must_be_the_buffers():
     with pytest.raises(ValueError, match="precision: got 'fp8', but the buffer was created with precision='bf16'"):
         check_buffer_problem(SHAPE, torch.device("cuda", 0), "fp8", fake_buffer())
+
+
+# ---------------------------------------------------------------- collective argument check (two CPU ranks)
+
+TWO_RANKS = textwrap.dedent("""
+    import sys
+    import torch.distributed as dist
+    import primemoe
+    rank, store_path, case = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    sizes = dict(max_tokens_per_rank=64, hidden=32, intermediate=16, num_experts=8, top_k=2)
+    if case == "differ" and rank == 1:
+        sizes["max_tokens_per_rank"] = 128
+    if case == "refused" and rank == 1:
+        sizes["hidden"] = 12
+    try:
+        primemoe.Buffer(dist.group.WORLD, **sizes)
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}")
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("differ", r"ValueError: primemoe.Buffer: max_tokens_per_rank differs between the ranks of the group "
+               r"\(rank 0: 64, rank 1: 128\)"),
+    ("refused", None),
+    ("same", r"RuntimeError: primemoe.Buffer: needs CUDA"),
+])
+def test_buffer_arguments_are_agreed_on_every_rank(tmp_path, case, pattern):
+    """Two gloo ranks on the CPU: arguments that differ between them, or that one rank refuses, raise on both ranks
+    (no rank is left waiting in the bootstrap); equal arguments pass the check (and stop at the missing GPU)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PRIMEMOE_ROOT, os.environ.get("PYTHONPATH")])))
+    env.pop("PRIMEMOE_EP_TRANSPORT", None)
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(r), store, case], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    lines = [out.strip().splitlines()[-1] if out.strip() else err for out, err in outs]
+    if case == "refused":
+        assert lines[1] == "ValueError: hidden: expected a multiple of 8, got 12", lines
+        assert lines[0].startswith("ValueError: primemoe.Buffer: rank 1 of the group refused its arguments (hidden: "
+                                   "expected a multiple of 8, got 12)"), lines
+    else:
+        for line in lines:
+            assert re.match(pattern, line), lines

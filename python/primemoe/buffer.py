@@ -196,6 +196,27 @@ def _on_any_rank(group, flag: bool) -> bool:
     return any(flags)
 
 
+def _check_agreed(group, arguments: Dict[str, object], refused: Optional[BaseException]) -> None:
+    """Gathers every rank's Buffer arguments and whether it refused them; raises on every rank (this rank's own
+    error where it refused, else a ValueError naming the rank that did or the argument that differs)."""
+    world = dist.get_world_size(group)
+    gathered: List[Optional[dict]] = [None] * world
+    dist.all_gather_object(gathered, {"arguments": arguments, "refused": None if refused is None else str(refused)},
+                           group=group)
+    if refused is not None:
+        raise refused
+    for rank, theirs in enumerate(gathered):
+        if theirs["refused"] is not None:
+            raise ValueError(f"primemoe.Buffer: rank {rank} of the group refused its arguments "
+                             f"({theirs['refused']}); every rank must create the Buffer with the same valid ones")
+    for name, value in arguments.items():
+        values = [theirs["arguments"][name] for theirs in gathered]
+        if any(v != value for v in values):
+            listed = ", ".join(f"rank {rank}: {v!r}" for rank, v in enumerate(values))
+            raise ValueError(f"primemoe.Buffer: {name} differs between the ranks of the group ({listed}); every "
+                             f"rank must create the Buffer with the same arguments")
+
+
 def _start_nvshmem(group, rank: int, world: int, device: int, config: EpConfig, force_put: bool) -> None:
     global _bootstrap
     hostnames: List[Optional[str]] = [None] * world
@@ -239,12 +260,23 @@ class Buffer:
                  precision="bf16", row_align=EP_ROW_ALIGN, num_sms=DEFAULT_NUM_SMS):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
-        check_precision(precision)
-        force_put = ep_transport(os.environ) == "put"
         world = dist.get_world_size(group)
-        config = buffer_config(world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
-                               intermediate=intermediate, num_experts=num_experts, top_k=top_k,
-                               row_align=row_align, num_sms=num_sms)
+        arguments = dict(max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, intermediate=intermediate,
+                         num_experts=num_experts, top_k=top_k, precision=precision, row_align=row_align,
+                         num_sms=num_sms)
+        try:
+            check_precision(precision)
+            transport = ep_transport(os.environ)
+            config = buffer_config(world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
+                                   intermediate=intermediate, num_experts=num_experts, top_k=top_k,
+                                   row_align=row_align, num_sms=num_sms)
+            refused = None
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            transport, refused = None, exc
+        # Collective, before CUDA and NVSHMEM: a rank whose arguments are refused, or that differ between ranks,
+        # raises on every rank instead of leaving the others waiting in the bootstrap.
+        _check_agreed(group, dict(arguments, PRIMEMOE_EP_TRANSPORT=transport), refused)
+        force_put = transport == "put"
         if not torch.cuda.is_available():
             raise RuntimeError("primemoe.Buffer: needs CUDA (NVSHMEM runs on GPUs), but "
                                "torch.cuda.is_available() is False")
