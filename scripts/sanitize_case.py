@@ -1,9 +1,12 @@
 """A small forward+backward through every primemoe CUDA kernel of the single-GPU layer, for compute-sanitizer
-(and the GPU runner's smoke step). Usage: python scripts/sanitize_case.py [T H I E K] (default 77 256 256 8 4).
+(and the GPU runner's smoke step).
 
-The GEMM configuration is the heuristics' choice for the sizes: `450 3072 1536 3 2` gives experts' weights above
-8 MiB and more tiles than SMs, so FC1 and FC2 run with the claimed tile order and 192-row tiles (~300 rows per
-expert); the default case runs the static order with split half tiles."""
+    python scripts/sanitize_case.py [T H I E K [CLAIM MERGE]]     (default 77 256 256 8 4)
+
+The GEMM configuration is the heuristics' choice for the sizes (the default case: the static order with split half
+tiles; `450 3072 1536 3 2`: experts' weights above 8 MiB and more tiles than SMs, so FC1 and FC2 claim tiles and
+merge tails), or, with CLAIM MERGE, forced for the forward's GEMMs: `600 256 256 4 2 1 1` runs 192-row tiles
+(300 rows per expert) at a small size."""
 import sys
 
 import torch
@@ -13,6 +16,8 @@ import primemoe
 torch.manual_seed(0)
 # I and H multiples of 256: the expert GEMM engine's kernels run (not the torch._grouped_mm fallback)
 T, H, I, E, K = (int(v) for v in sys.argv[1:6]) if len(sys.argv) > 1 else (77, 256, 256, 8, 4)
+if len(sys.argv) > 6:  # CLAIM MERGE (0/1): the forward GEMMs' GemmConfig forced (this thread's launches only)
+    torch.ops.primemoe._gemm_force_config(int(sys.argv[6]), int(sys.argv[7]))
 why = torch.ops.primemoe.expert_gemm_unsupported(torch.cuda.current_device(), H, I)
 assert not why, f"the engine does not cover this case ({why}): the sanitizer would not see it"
 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
