@@ -1,0 +1,83 @@
+"""``python -m primemoe.train``: the tiny Qwen3-MoE run through its CLI entry, primemoe against the
+unmodified Hugging Face model (same initial weights, same batches, AdamW)."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (scripts/setup.sh installs it; pip install transformers)")
+
+from primemoe import train  # noqa: E402
+
+# CPU, fp32 parameters: both models do the same math (same router weights, fp32 softmax, top-k,
+# renormalise; the same SwiGLU experts) in a different accumulation order (primemoe sums each token's
+# slots in a fixed order, HF index_adds per expert). Step 1's loss is bitwise equal here; later steps
+# differ by a few fp32 ulps of the loss (ulp(6.3) = 4.8e-7), measured <= 4e-6 over steps 1-10, growing
+# slowly as AdamW (whose first updates are ~lr * sign(grad)) amplifies the gradients' rounding
+# differences. A token whose top-2 router scores tie to within rounding can pick a different expert
+# and jump the difference to ~1e-3 (seen first at step 20); 1e-4 over the first 10 steps is well
+# below that and 25x above what was measured.
+CPU_STEPS, CPU_TOL = 10, 1e-4
+# GPU, bf16 parameters: HF rounds the routing weights to bf16 and combines the experts' outputs in
+# bf16 (index_add_), primemoe keeps fp32 weights and accumulates the combine in fp32: bf16 tolerance,
+# 2^-8 relative of the loss (~0.025 at ln(512) = 6.2), plus headroom over 20 steps.
+GPU_STEPS, GPU_TOL = 20, 0.05
+
+
+def _run(capsys, tmp_path, *argv):
+    code = train.main(["--tiny", "--out", str(tmp_path), *argv])
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "losses.json").read_text()) if code == 0 else None
+    return code, out, result
+
+
+def _check_parity(result, steps, tol):
+    ours, hf, diffs = result["loss_primemoe"], result["loss_hf"], result["loss_diff"]
+    assert len(ours) == len(hf) == len(diffs) == steps
+    worst = max(abs(d) for d in diffs)
+    assert worst <= tol, f"per-step |loss diff| up to {worst:.3e} > {tol:g}: {diffs}"
+    assert ours[-1] < ours[0] - 0.3, f"the loss did not fall: {ours}"
+    assert hf[-1] < hf[0] - 0.3, f"the HF model's loss did not fall: {hf}"
+
+
+def test_tiny_cpu_run_matches_hf(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "_load_tqdm", lambda: None)  # as without tqdm: plain per-step lines on stdout
+    code, out, result = _run(capsys, tmp_path, "--device", "cpu", "--steps", str(CPU_STEPS))
+    assert code == 0, out
+    _check_parity(result, CPU_STEPS, CPU_TOL)
+    assert "no GPU: ran the tiny CPU model; the fused kernels were not exercised" in out
+    assert f"step {CPU_STEPS}/{CPU_STEPS}" in out and "diff" in out
+    assert "tokens/s" in out and "max |diff|" in out
+    assert result["dtype"] == "torch.float32"
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_swapped_model_has_no_hf_moe_blocks_and_same_start():
+    config = train.make_config(layers=2, hidden=256, intermediate=256, experts=8, top_k=2, vocab=512, seq=16)
+    ours, hf = train.build_models(config, device="cpu", dtype=torch.float32)
+    block = train._qwen3_moe_block_class()
+    assert not any(isinstance(m, block) for m in ours.modules())
+    assert sum(isinstance(m, block) for m in hf.modules()) == 2
+    tokens = torch.randint(512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=tokens).logits, hf(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_precision_says_not_implemented(capsys, tmp_path):
+    code, out, _ = _run(capsys, tmp_path, "--device", "cpu", "--steps", "2", "--precision", "fp8", "--no-compare")
+    assert code == 2
+    assert "cannot run precision 'fp8'" in out and "no kernels" in out
+
+
+@pytest.mark.gpu
+def test_gpu_run_matches_hf(capsys, tmp_path):
+    code, out, result = _run(capsys, tmp_path, "--device", "cuda", "--steps", str(GPU_STEPS))
+    assert code == 0, out
+    print(out)
+    assert result["dtype"] == "torch.bfloat16"
+    assert "not exercised" not in out and "torch._grouped_mm" not in out  # the engine ran
+    _check_parity(result, GPU_STEPS, GPU_TOL)
+    assert (tmp_path / "loss.png").exists()
