@@ -4,23 +4,14 @@
 #include <algorithm>
 #include <climits>
 
+#include "bf16_vec.cuh"
 #include "quantize.cuh"
 
 namespace primemoe {
 namespace {
 
-constexpr int kVec = 8;  // bf16 per 16-byte load
+constexpr int kVec = kBf16Vec;
 constexpr unsigned kFullMask = 0xffffffffu;
-
-__device__ __forceinline__ void unpack(const uint4& v, float (&f)[kVec]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
 
 // max(acc, |v|) elementwise over v's 4 bf16 pairs, in bf16: exact (abs and max only pick values).
 __device__ __forceinline__ __nv_bfloat162 abs_max2(const uint4& v, __nv_bfloat162 acc) {

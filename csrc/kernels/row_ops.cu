@@ -2,12 +2,13 @@
 
 #include <algorithm>
 
+#include "bf16_vec.cuh"
 #include "row_ops.cuh"
 
 namespace primemoe {
 namespace {
 
-constexpr int kVec = 8;  // bf16 per 16-byte access
+constexpr int kVec = kBf16Vec;
 constexpr int kRowThreads = 128;
 
 __device__ __forceinline__ float load_scale(const void* p, ScaleType type, int64_t i) {
@@ -19,24 +20,6 @@ __device__ __forceinline__ float load_scale(const void* p, ScaleType type, int64
     default:
       return 1.0f;
   }
-}
-
-__device__ __forceinline__ void unpack(const uint4& v, float (&f)[kVec]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack(const float (&f)[kVec]) {
-  uint4 v;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return v;
 }
 
 // The gather and the combine take one token per warp: the gather reads each x row once for all of its
