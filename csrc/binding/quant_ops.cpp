@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -49,8 +50,10 @@ void check_128x128_args(const at::Tensor& w) {
 at::TensorOptions fp8_like(const at::Tensor& t) { return t.options().dtype(at::kFloat8_e4m3fn); }
 at::TensorOptions fp32_like(const at::Tensor& t) { return t.options().dtype(at::kFloat); }
 
-Quantized quantize_1x128_cuda(const at::Tensor& x, bool pow2) {
+Quantized quantize_1x128_cuda(const at::Tensor& x, bool pow2, bool scale_mn_major,
+                              const std::optional<at::Tensor>& expert_offsets) {
   check_1x128_args(x);
+  PRIMEMOE_CHECK(!scale_mn_major && !expert_offsets.has_value(), "quantize_fp8_1x128: not implemented yet");
   const c10::cuda::CUDAGuard guard(x.device());
   auto q = at::empty(x.sizes(), fp8_like(x));
   auto s = at::empty({x.size(0), x.size(1) / kFp8Tile}, fp32_like(x));
@@ -65,8 +68,10 @@ Quantized quantize_1x128_cuda(const at::Tensor& x, bool pow2) {
   return {q, s};
 }
 
-Quantized quantize_128x1_cuda(const at::Tensor& x, bool pow2) {
+Quantized quantize_128x1_cuda(const at::Tensor& x, bool pow2, bool scale_mn_major,
+                              const std::optional<at::Tensor>& expert_offsets) {
   check_128x1_args(x);
+  PRIMEMOE_CHECK(!scale_mn_major && !expert_offsets.has_value(), "quantize_fp8_128x1: not implemented yet");
   const c10::cuda::CUDAGuard guard(x.device());
   auto q_t = at::empty({x.size(1), x.size(0)}, fp8_like(x));
   auto s = at::empty({x.size(1), x.size(0) / kFp8Tile}, fp32_like(x));
@@ -101,9 +106,9 @@ Quantized quantize_128x128_cuda(const at::Tensor& w, bool pow2) {
 }
 
 // The checks the CPU kernels (python/primemoe/_quant_ops.py) run through _check_args.
-const ArgCheckRegistration quantize_1x128_check("quantize_fp8_1x128", 1, 1,
+const ArgCheckRegistration quantize_1x128_check("quantize_fp8_1x128", 2, 2,
                                                 [](const OpArgs& a) { check_1x128_args(a.tensor(0)); });
-const ArgCheckRegistration quantize_128x1_check("quantize_fp8_128x1", 1, 1,
+const ArgCheckRegistration quantize_128x1_check("quantize_fp8_128x1", 2, 2,
                                                 [](const OpArgs& a) { check_128x1_args(a.tensor(0)); });
 const ArgCheckRegistration quantize_128x128_check("quantize_fp8_128x128", 1, 1,
                                                   [](const OpArgs& a) { check_128x128_args(a.tensor(0)); });

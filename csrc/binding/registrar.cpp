@@ -85,9 +85,39 @@ TORCH_LIBRARY(primemoe, m) {
   // Blockwise E4M3, one fp32 dequantisation scale per tile (python/primemoe/fp8.py; pow2: scales rounded up to
   // powers of two): 1x128 tiles along K, x [M, K] -> (q [M, K], s [M, K/128]); 128x1 tiles along M, output
   // transposed, x [M, K] -> (q_t [K, M], s [K, M/128]); 128x128 blocks, w [..., N, K] -> (q, s [..., N/128, K/128]).
-  m.def("quantize_fp8_1x128(Tensor x, bool pow2=True) -> (Tensor, Tensor)");
-  m.def("quantize_fp8_128x1(Tensor x, bool pow2=True) -> (Tensor, Tensor)");
+  // scale_mn_major: s transposed ([K/128, M] for 1x128, [M/128, K] for 128x1: the layout the FP8 GEMMs load);
+  // expert_offsets: rows at or past expert_offsets[-1] (128x1: row tiles past it) are left unwritten.
+  m.def(
+      "quantize_fp8_1x128(Tensor x, bool pow2=True, bool scale_mn_major=False, Tensor? expert_offsets=None) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "quantize_fp8_128x1(Tensor x, bool pow2=True, bool scale_mn_major=False, Tensor? expert_offsets=None) "
+      "-> (Tensor, Tensor)");
   m.def("quantize_fp8_128x128(Tensor w, bool pow2=True) -> (Tensor, Tensor)");
+  // FC1's epilogue in FP8 (reference.moe_fp8, steps 3-4): h [R, 2I] bf16 -> a = bf16(silu(g) * u) quantised 1x128
+  // along I: (a_q [R, I] e4m3, a_scale [I/128, R] fp32, MN-major). Rows at or past expert_offsets[-1] unwritten.
+  m.def("fp8_swiglu_quant(Tensor h, Tensor expert_offsets, bool pow2=True) -> (Tensor a_q, Tensor a_scale)");
+  // FC2 dgrad's epilogue in FP8 (steps 9-11): da [R, I] fp32 (unweighted), h [R, 2I] bf16, row_weight [R] fp32 ->
+  // dh [R, 2I] bf16, dh quantised 1x128 (dh_q e4m3, dh_scale [2I/128, R] MN-major), aw = bf16(w * a) [R, I],
+  // dot [R] fp32 = <da, a>. Rows at or past expert_offsets[-1] unwritten.
+  m.def(
+      "fp8_swiglu_backward(Tensor da, Tensor h, Tensor row_weight, Tensor expert_offsets, bool pow2=True) -> "
+      "(Tensor dh, Tensor dh_q, Tensor dh_scale, Tensor aw, Tensor dot)");
+
+  // ---------------------------------------------------------------- FP8 expert GEMMs (fp8_gemm_ops.cpp)
+  // Blockwise-scaled e4m3 GEMMs, fp32 accumulation promoted per 128-deep K block. Rows: a [R, K] e4m3 with
+  // a_scale [K/128, R] (1x128 tiles, MN-major), b [E, N, K] e4m3 with b_scale [E, N/128, K/128] (128x128 blocks):
+  // out[r] = row_weight[r] * (a[r] x b[e(r)]^T), bf16 (or fp32) [R, N]; expert_offsets multiples of 128; rows at or
+  // past expert_offsets[-1] unwritten.
+  m.def(
+      "fp8_expert_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor expert_offsets, "
+      "Tensor? row_weight=None, bool out_fp32=False) -> Tensor");
+  // Weight gradients: a_t [M, R] e4m3 with a_scale [R/128, M], b_t [N, R] with b_scale [R/128, N] (128x1 tiles
+  // along the rows, transposed, MN-major scales): out[e] = sum over expert e's rows r of a[r]^T b[r], [E, M, N]
+  // fp32 (or bf16); expert_rows: routed rows per expert (the 128-row tiles past them are skipped: zeros).
+  m.def(
+      "fp8_expert_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, Tensor expert_offsets, "
+      "Tensor? expert_rows=None, bool out_fp32=True) -> Tensor");
 
   // ---------------------------------------------------------------- argument checks (common.cpp)
   // The argument check of `op`'s CUDA impl, run by its CPU kernel (python/primemoe/_cpu.py): the op's tensor
