@@ -1,0 +1,128 @@
+// Host side of the FP8 expert GEMMs: checks, TMA descriptors, launch (the kernel: sm90/fp8_kernel.cuh).
+#include <cuda.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "fp8_gemm.cuh"
+#include "grouped_gemm.cuh"  // kMaxDevices
+#include "sm90/fp8_kernel.cuh"
+
+namespace primemoe {
+namespace {
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encode_tiled() {
+  static EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      p = nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(p);
+  }();
+  return fn;
+}
+
+// A 3-D byte tensor (inner, outer, layer), inner contiguous, moved in 128 x 128 boxes with the 128-byte swizzle.
+cudaError_t make_fp8_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, uint64_t layers) {
+  EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {inner, outer, layers};
+  const cuuint64_t strides[2] = {inner, inner * outer};
+  const cuuint32_t box[3] = {uint32_t(kFp8TileK), 128, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+int compute_capability(int device) {
+  static std::atomic<int> known[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int cc = known[device].load(std::memory_order_relaxed);
+  if (cc == 0) {
+    int major = 0;
+    int minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    cc = major * 10 + minor;
+    known[device].store(cc, std::memory_order_relaxed);
+  }
+  return cc;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <Fp8Schedule S>
+cudaError_t launch(const sm90::Fp8Params& params, int grid, cudaStream_t stream) {
+  static_assert(sm90::kFp8SmemBytes <= 227 * 1024, "shared memory ring too large");
+  auto kernel = sm90::fp8_gemm_kernel<S>;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  static std::atomic<bool> smem_set_on[kMaxDevices];
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!smem_set_on[device].load(std::memory_order_acquire)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sm90::kFp8SmemBytes));
+    if (err != cudaSuccess) return err;
+    smem_set_on[device].store(true, std::memory_order_release);
+  }
+  kernel<<<grid, sm90::kFp8Threads, sm90::kFp8SmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool fp8_gemm_supported(const Fp8GemmArgs& a, int device, const char** why) {
+  auto no = [&](const char* reason) {
+    if (why != nullptr) *why = reason;
+    return false;
+  };
+#ifndef PRIMEMOE_HAVE_SM90A
+  return no("this build has no sm_90a kernels");
+#else
+  if (compute_capability(device) != 90) return no("the blockwise FP8 GEMMs need an sm_90 (Hopper) GPU");
+#endif
+  if (encode_tiled() == nullptr) return no("the driver lacks cuTensorMapEncodeTiled");
+  if (a.n <= 0 || a.n % kFp8TileN != 0) return no("the output width is not a multiple of 128");
+  if (a.schedule == Fp8Schedule::kRows && (a.k <= 0 || a.k % kFp8TileK != 0)) {
+    return no("the reduction length is not a multiple of 128");
+  }
+  if (a.schedule == Fp8Schedule::kExperts) {
+    if (a.m <= 0 || a.m % kFp8TileM != 0) return no("the per-expert output height is not a multiple of 128");
+    if (a.num_rows % kFp8TileK != 0) return no("the rows of the weight-gradient operands are not a multiple of 128");
+  }
+  if (a.num_rows >= (int64_t(1) << 31)) return no("2^31 rows or more");
+  if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.out) ||
+      (a.schedule == Fp8Schedule::kExperts && (!aligned16(a.a_scale) || !aligned16(a.b_scale)))) {
+    return no("operands are not 16-byte aligned");
+  }
+  return true;
+}
+
+cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
+  sm90::Fp8Params params{};
+  params.args = a;
+  const uint64_t rows = uint64_t(a.num_rows);
+  cudaError_t err;
+  if (a.schedule == Fp8Schedule::kRows) {
+    err = make_fp8_map(&params.tma_a, a.a, uint64_t(a.k), rows, 1);
+    if (err == cudaSuccess) err = make_fp8_map(&params.tma_b, a.b, uint64_t(a.k), uint64_t(a.n), uint64_t(a.num_experts));
+  } else {
+    err = make_fp8_map(&params.tma_a, a.a, rows, uint64_t(a.m), 1);
+    if (err == cudaSuccess) err = make_fp8_map(&params.tma_b, a.b, rows, uint64_t(a.n), 1);
+  }
+  if (err != cudaSuccess) return err;
+  const int grid = a.num_sms > 0 ? a.num_sms : 1;
+  return a.schedule == Fp8Schedule::kRows ? launch<Fp8Schedule::kRows>(params, grid, stream)
+                                          : launch<Fp8Schedule::kExperts>(params, grid, stream);
+}
+
+}  // namespace primemoe
