@@ -21,6 +21,7 @@
 # sanitize  compute-sanitizer memcheck, racecheck and synccheck on scripts/sanitize_case.py, then racecheck and
 #           synccheck on a small case with the forward GEMMs forced to the claimed order and 192-row tiles
 # sass      register and local-memory report of the built extension (cuobjdump)
+# pytest    pytest with $PYTEST_ARGS (e.g. PYTEST_ARGS="tests/gpu/test_fp8_gemm_gpu.py -x")
 #
 # REUSE_BUILD=1 skips the build when an earlier call on the same (still warm) machine built these sources.
 # PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
@@ -71,6 +72,8 @@ for step in $STEPS; do
     multigpu) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 | tee "$OUT/pytest-multigpu.log" \
                 | tail -20
               [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    pytest) $PY -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-tests/gpu} 2>&1 | tee "$OUT/pytest-args.log" | tail -40
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     main) $PY -m primemoe 2>&1 | tee "$OUT/main.log" ;;
     bench) $PY -m primemoe.bench ${BENCH_ARGS:-$BENCH_SHAPES --ep 1 2} --out "$TABLES/bench" 2>&1 \
              | tee "$OUT/bench.log" | tail -30; keep_json bench ;;
