@@ -23,6 +23,13 @@ namespace primemoe::sm90 {
 using namespace cute;
 
 constexpr int kFp8Threads = 384;
+// setmaxnreg budgets: the launch gives every thread 168 registers (65536 / 384, rounded down to 8); the consumers can
+// grow only into what the producer warpgroup gives back, or setmaxnreg.inc waits forever.
+constexpr int kFp8LaunchRegs = 168;
+constexpr int kFp8ProducerRegs = 56;
+constexpr int kFp8ConsumerRegs = 224;
+static_assert(128 * (kFp8LaunchRegs - kFp8ProducerRegs) >= 256 * (kFp8ConsumerRegs - kFp8LaunchRegs),
+              "the consumers' registers must come from the producer's");
 constexpr int kFp8Stages = 6;
 constexpr int kFp8TileBytes = kFp8TileM * kFp8TileK;  // one 128 x 128 e4m3 operand tile, 16 KiB
 
@@ -318,7 +325,7 @@ __global__ void __launch_bounds__(kFp8Threads, 1) fp8_gemm_kernel(const __grid_c
   }
   __syncthreads();
   if (threadIdx.x < 128) {
-    cutlass::arch::warpgroup_reg_dealloc<64>();  // the walkers' 64-bit arithmetic needs more than 40
+    cutlass::arch::warpgroup_reg_dealloc<kFp8ProducerRegs>();
     if (threadIdx.x == 0) {
       fp8_tma_producer<S>(p, smem);
     } else if (threadIdx.x / 32 == 1) {
@@ -326,7 +333,7 @@ __global__ void __launch_bounds__(kFp8Threads, 1) fp8_gemm_kernel(const __grid_c
     }
     return;
   }
-  cutlass::arch::warpgroup_reg_alloc<224>();
+  cutlass::arch::warpgroup_reg_alloc<kFp8ConsumerRegs>();
   fp8_consumers<S>(p, smem);
 #endif
 }
