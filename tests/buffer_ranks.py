@@ -136,15 +136,16 @@ def _layered(moe, first: Problem, second: Problem):
 
 def moe_cases(rank, world, cases_path, out_dir):
     """Every case through one Buffer, then: a repeat (bitwise), two layers sharing the buffer,
-    and CUDA-graph replay against eager."""
+    and CUDA-graph replay against eager. ``data["precision"]`` (default bf16): the Buffer's and the calls'."""
     data = torch.load(cases_path)
+    precision = data.get("precision", "bf16")
     with nccl_rank(rank, world) as device:
         def mine(case):
             return rank_problem(Problem(**case["problem"]), rank, case["tokens_per_rank"], device)
 
         results = {}
-        with primemoe.Buffer(dist.group.WORLD, **data["sizes"]) as buffer:
-            moe = partial(primemoe.moe, buffer=buffer)
+        with primemoe.Buffer(dist.group.WORLD, **data["sizes"], precision=precision) as buffer:
+            moe = partial(primemoe.moe, buffer=buffer, precision=precision)
             for name, case in data["cases"].items():
                 results[name] = _cpu(run_moe(moe, mine(case)))
             repeat, layered = data["repeat"], data["layered"]

@@ -152,11 +152,33 @@ def test_buffer_needs_a_process_group(no_nvshmem):
     ("num_experts", 2048, ValueError, "num_experts: at most 1024 experts are supported, got 2048"),
     ("intermediate", 20, ValueError, "intermediate: expected a multiple of 8, got 20"),
     ("precision", "fp16", ValueError, "precision: expected one of"),
-    ("precision", "fp8", NotImplementedError, "precision: 'fp8' has no kernels"),
+    ("precision", "mxfp8", NotImplementedError, r"precision: 'mxfp8' .* needs a Blackwell \(sm_100\) GPU"),
+    # An FP8 Buffer: hidden, intermediate and row_align multiples of 128.
+    ("precision", "fp8", ValueError, "hidden: expected a multiple of 128 with an FP8 precision .*, got 32"),
 ])
 def test_buffer_rejects_bad_sizes(group, no_nvshmem, name, value, error, pattern):
     with pytest.raises(error, match=pattern):
         primemoe.Buffer(group, **dict(GOOD_SIZES, **{name: value}))
+
+
+FP8_SIZES = dict(GOOD_SIZES, hidden=256, intermediate=128, precision="fp8")
+
+
+@pytest.mark.parametrize("name, value, pattern", [
+    ("intermediate", 64, "intermediate: expected a multiple of 128 with an FP8 precision .*, got 64"),
+    ("row_align", 64, "row_align: expected a multiple of 128 with an FP8 precision .*, got 64"),
+])
+def test_fp8_buffer_rejects_sizes_off_the_fp8_tiles(group, no_nvshmem, name, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        primemoe.Buffer(group, **dict(FP8_SIZES, **{name: value}))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_fp8_buffer_arguments_are_accepted(group, no_nvshmem, monkeypatch, precision):
+    """Past the argument checks, the FP8 Buffer gets as far as the bf16 one: here, the missing GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="primemoe.Buffer: needs CUDA"):
+        primemoe.Buffer(group, **dict(FP8_SIZES, precision=precision, row_align=256))
 
 
 def test_buffer_needs_cuda_before_touching_nvshmem(group, no_nvshmem, monkeypatch):

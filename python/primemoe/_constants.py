@@ -8,6 +8,8 @@
 - ``MAX_LOCAL_EXPERTS``: ``kLayoutMaxLocalExperts`` (csrc/kernels/dispatch_layout.cuh), the most experts
   one layout spans (an expert-parallel group's send layout spans all of its experts).
 - ``layout_max_rows(num_slots, local_experts, row_align)``: rows of dispatch_layout's ``row_to_slot``.
+
+And one of the Python layer's own: ``FP8_ROW_ALIGN``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ ROW_ALIGN: int = _lib._constant("gemm_row_align")
 TILE_N: int = _lib._constant("gemm_tile_n")
 SWIGLU_TILE_N: int = _lib._constant("gemm_swiglu_tile_n")
 MAX_LOCAL_EXPERTS: int = _lib._constant("layout_max_local_experts")
+
+# The row alignment of the FP8 layout (precision "fp8", and the backward of "fp8_bwd"): each expert's rows padded
+# with zero rows to a multiple of 128, so that the 128x1 tiles of the weight-gradient operands (quantize_fp8_128x1,
+# fp8_expert_wgrad) start at each expert's first row and never straddle two experts (reference._FP8_SPEC, step 12:
+# an expert's rows padded to 128 * ceil(n / 128)); a multiple of ROW_ALIGN, so the bf16 engine runs on it too.
+# The FP8 recipe's tile size (fp8.BLOCK), not a size of the C++ layer.
+FP8_ROW_ALIGN: int = 128
 
 
 def layout_max_rows(num_slots, local_experts, row_align):

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
-# Precisions this build has kernels for. The others are part of the contract and
-# raise NotImplementedError until their kernels land.
-BUILT_PRECISIONS = ("bf16",)
+# Precisions this build has kernels for. The others are part of the contract and raise NotImplementedError.
+BUILT_PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+# The blockwise FP8 modes (DESIGN.md section 2): sm_90 only, H and I multiples of 128.
+FP8_PRECISIONS = ("fp8", "fp8_bwd")
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -45,10 +46,13 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
 def check_precision(precision) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    if precision == "mxfp8":
+        raise NotImplementedError(
+            "precision: 'mxfp8' (e4m3 with 1x32 UE8M0 scales) needs a Blackwell (sm_100) GPU and is not built in "
+            f"this build of primemoe; available: {BUILT_PRECISIONS}")
     if precision not in BUILT_PRECISIONS:
         raise NotImplementedError(
-            f"precision: {precision!r} has no kernels in this build of primemoe yet; available: {BUILT_PRECISIONS}"
-        )
+            f"precision: {precision!r} has no kernels in this build of primemoe; available: {BUILT_PRECISIONS}")
     return precision
 
 
@@ -106,6 +110,9 @@ def check_moe_inputs(x, topk_idx, topk_weights, w1, w2, *, precision="bf16", num
     for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w1", w1), ("w2", w2)):
         _contiguous(name, t)
 
+    if precision in FP8_PRECISIONS:
+        check_fp8_problem(H, inter)
+
     if x.device.type == "cuda":
         # 16-byte row alignment for TMA and the grouped GEMMs.
         if H % 8:
@@ -121,6 +128,8 @@ def check_moe_inputs(x, topk_idx, topk_weights, w1, w2, *, precision="bf16", num
         if major < 9:
             raise NotImplementedError("x: primemoe needs an sm_90 (Hopper) or newer GPU, "
                                       f"got sm_{major}x on {x.device}")
+        if precision in FP8_PRECISIONS:
+            check_fp8_device(x.device)
 
     if max_tokens is not None and T > max_tokens:
         raise ValueError(f"x: {T} tokens exceed the buffer's capacity max_tokens_per_rank={max_tokens}")
@@ -145,6 +154,24 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
             f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is not an expert id: expected -1 or a value in "
             f"[0, {num_experts})"
         )
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """The blockwise FP8 kernels are sm_90 (Hopper wgmma) kernels: NotImplementedError naming ``x`` elsewhere."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        raise NotImplementedError(f"x: blockwise FP8 needs an sm_90 (Hopper) GPU, got sm_{major}{minor} on {device} "
+                                  "(precision 'bf16' runs here)")
+
+
+def check_fp8_buffer(hidden: int, intermediate: int, row_align: int) -> None:
+    """A Buffer made for an FP8 precision: H and I multiples of 128 and a receive layout whose experts start at
+    multiples of 128 rows (the 128x1 weight-gradient tiles start at each expert's first row)."""
+    block = 128
+    for name, value in (("hidden", hidden), ("intermediate", intermediate), ("row_align", row_align)):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % block:
+            raise ValueError(f"{name}: expected a multiple of {block} with an FP8 precision (the recipe's 128-wide "
+                             f"tiles), got {value}")
 
 
 def check_fp8_problem(hidden: int, intermediate: int) -> None:

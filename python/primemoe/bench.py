@@ -1,6 +1,7 @@
 """MoE layer benchmark: primemoe, the PyTorch baseline and the reference, side by side.
 
-    python -m primemoe.bench [--shapes ...] [--tokens ...] [--ep 1 2] [--impl ...] [--out DIR] [--no-raw]
+    python -m primemoe.bench [--shapes ...] [--tokens ...] [--ep 1 2] [--precision bf16 fp8 fp8_bwd] [--impl ...]
+                             [--out DIR] [--no-raw]
     python -m primemoe.bench --comm [--ep 2] [--num-sms 8 16 24] ...
 
 Every (shape, tokens per rank, EP, precision, implementation) is timed along two paths, forward and backward
@@ -50,7 +51,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from primemoe._validate import PRECISIONS
+from primemoe._validate import BUILT_PRECISIONS, PRECISIONS
 from primemoe.shapes import MODEL_SHAPES, TARGET_SHAPES  # TARGET_SHAPES: the default --shapes
 
 SHAPES = {name: shape.dims for name, shape in MODEL_SHAPES.items()}  # name: (H, I, E, K), as the scripts read them
@@ -276,7 +277,7 @@ class Impl:
 IMPLS = {
     "baseline": Impl(_BaselineRaw, ("bf16",), "sort + torch._grouped_mm; NCCL all-to-all at EP>1. User path: "
                      "baseline.moe (a torch.autograd.Function); raw: baseline.forward / backward", user=_baseline_moe),
-    "primemoe": Impl(_primemoe_raw, PRECISIONS, "user path: primemoe.moe (EP>1: buffer=primemoe.Buffer, NVSHMEM "
+    "primemoe": Impl(_primemoe_raw, BUILT_PRECISIONS, "user path: primemoe.moe (EP>1: buffer=primemoe.Buffer, NVSHMEM "
                      "dispatch/combine on the Buffer's default SMs); raw: torch.ops.primemoe.moe_forward / "
                      "moe_backward (EP>1: primemoe.moe(buffer=) alone, it has no other entry point)",
                      user=_primemoe_moe),
@@ -312,8 +313,8 @@ class Case:
 
     # user_*: the user path (the headline); raw_*: the raw ops; memory (MiB) of one user-path forward+backward.
     METRICS = ("user_fwd_ms", "user_bwd_ms", "user_fwd_tflops", "user_bwd_tflops", "peak_mib", "saved_mib",
-               "peak_vs_baseline", "raw_fwd_ms", "raw_bwd_ms", "raw_fwd_tflops", "raw_bwd_tflops", "nvlink_gbps",
-               "routed_rows", "remote_rows")
+               "peak_vs_baseline", "raw_fwd_ms", "raw_bwd_ms", "raw_fwd_tflops", "raw_bwd_tflops",
+               "user_fwd_vs_bf16", "user_bwd_vs_bf16", "nvlink_gbps", "routed_rows", "remote_rows")
     PATH_LABELS = {"user": "user path", "raw": "raw ops"}  # the timings a case can run, as notes name them
 
     def label(self) -> str:
@@ -775,6 +776,8 @@ COLUMNS = [
     # the raw ops
     ("raw fwd ms", "raw_fwd_ms", "{:.3f}"), ("raw bwd ms", "raw_bwd_ms", "{:.3f}"),
     ("raw fwd TFLOP/s", "raw_fwd_tflops", "{:.1f}"), ("raw bwd TFLOP/s", "raw_bwd_tflops", "{:.1f}"),
+    # another precision's user path against the same implementation's bf16 (speed-up: bf16 ms / this ms)
+    ("fwd x bf16", "user_fwd_vs_bf16", "{:.2f}"), ("bwd x bf16", "user_bwd_vs_bf16", "{:.2f}"),
     ("NVLink GB/s", "nvlink_gbps", "{:.1f}"), ("rows/rank", "routed_rows", "{:d}"),
     ("remote rows", "remote_rows", "{:d}"), ("status", "status", "{}"),
 ]
@@ -899,7 +902,12 @@ def metadata(args) -> dict:
     else:
         meta.update(
             fields="user_*: the user path (table: fwd ms, bwd ms, fwd/bwd TFLOP/s); raw_*: the raw ops (table: raw "
-                   "fwd ms, ...); peak_mib, saved_mib, peak_vs_baseline: see memory",
+                   "fwd ms, ...); peak_mib, saved_mib, peak_vs_baseline: see memory; user_fwd_vs_bf16, "
+                   "user_bwd_vs_bf16 (table: fwd/bwd x bf16): a precision's user-path speed-up over the same "
+                   "implementation's bf16 at the same shape, T/rank and EP (bf16 ms / its ms)",
+            precisions="bf16: bf16 GEMMs; fp8: blockwise e4m3 GEMMs forward and backward (1x128 activation tiles, "
+                       "128x128 weight blocks, weights quantised once per weight version); fp8_bwd: the bf16 forward "
+                       "and the fp8 backward. TFLOP/s count the same FLOPs in every precision",
             flops="per GPU: forward 6*T*K*H*I, backward 12*T*K*H*I, T = tokens per rank",
             memory="one user-path forward+backward after the timed iterations, in MiB: peak_mib = "
                    "torch.cuda.max_memory_allocated() (peak stats reset first) minus memory_allocated() before it "
@@ -912,6 +920,20 @@ def metadata(args) -> dict:
     meta["implementations"] = {name: impl.about for name, impl in (COMM_IMPLS if args.comm else IMPLS).items()}
     meta["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     return meta
+
+
+def add_precision_ratios(results: list) -> None:
+    """Sets user_fwd_vs_bf16 / user_bwd_vs_bf16 of each result of a precision other than bf16: the user path's
+    speed-up over the same implementation's bf16 at the same shape, T/rank and EP (bf16 ms / this ms)."""
+    bf16 = {(r["impl"], r["shape"], r["tokens"], r["ep"]): r for r in results if r["precision"] == "bf16"}
+    for r in results:
+        base = bf16.get((r["impl"], r["shape"], r["tokens"], r["ep"]))
+        if r["precision"] == "bf16" or base is None:
+            continue
+        for path in ("fwd", "bwd"):
+            ms, base_ms = r.get(f"user_{path}_ms"), base.get(f"user_{path}_ms")
+            if ms and base_ms:
+                r[f"user_{path}_vs_bf16"] = base_ms / ms
 
 
 def add_memory_ratios(results: list) -> None:
@@ -973,7 +995,8 @@ def write_outputs(results: list, args) -> None:
         section, columns, notes = "comm", COMM_COLUMNS, ("timing", "bytes", "targets")
         panels = (("dispatch_gbps", "dispatch GB/s per GPU"), ("combine_gbps", "combine GB/s per GPU"))
     else:
-        section, columns, notes = "results", layer_columns(args), ("timing", "fields", "flops", "memory", "nvlink")
+        section, columns, notes = ("results", layer_columns(args),
+                                   ("timing", "fields", "precisions", "flops", "memory", "nvlink"))
         panels = (("user_fwd_tflops", "forward TFLOP/s per GPU\n(moe under autograd)"),
                   ("user_bwd_tflops", "backward TFLOP/s per GPU\n(torch.autograd.grad)"),
                   ("peak_mib", "peak MiB of one\nforward+backward"))
@@ -1014,7 +1037,9 @@ def parse_args(argv=None):
     p.add_argument("--tokens", nargs="+", type=_int_from(1), default=[4096, 8192, 16384], help="tokens per rank")
     p.add_argument("--ep", nargs="+", type=_int_from(1), default=[1, 2],
                    help="expert-parallel sizes (one GPU per rank)")
-    p.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"])
+    p.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"],
+                   help="primemoe's precisions, each a cell of its own beside bf16's and the baseline's (bf16 only): "
+                        "bf16, fp8 (FP8 forward and backward), fp8_bwd (FP8 backward); default bf16")
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--warmup", type=_int_from(0), default=5)
     p.add_argument("--iters", type=_int_from(1), default=20, help="timed iterations (median reported)")
@@ -1088,6 +1113,7 @@ def main(argv=None) -> int:
             results += _run_ep(block, args, len(cases))
     if not args.comm:
         add_memory_ratios(results)
+        add_precision_ratios(results)
     write_outputs(results, args)
     return 0
 

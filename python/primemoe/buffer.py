@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from ._constants import MAX_LOCAL_EXPERTS, layout_max_rows
-from ._validate import check_precision
+from ._validate import FP8_PRECISIONS, check_fp8_buffer, check_precision
 
 __all__ = ["Buffer", "EpConfig", "buffer_config", "ep_layout", "ep_region", "ep_transport", "nvshmem_environment"]
 
@@ -250,6 +250,8 @@ class Buffer:
     ``row_align``: each local expert's received rows start at a multiple of it (padding rows
     are zero); the expert GEMM engine needs a multiple of 64 (the default is 128), else the
     experts run on ``torch._grouped_mm``.
+    ``precision``: the one ``primemoe.moe(..., buffer=)`` runs with. "fp8" / "fp8_bwd" need ``hidden``,
+    ``intermediate`` and ``row_align`` multiples of 128 (the FP8 layout); the rows still travel in bf16.
     ``num_sms``: SMs the dispatch/combine kernels use (``DEFAULT_NUM_SMS``).
     Set from the peers and ``PRIMEMOE_EP_TRANSPORT`` (attributes, not arguments): ``put_peers``, some
     rank sends by NVSHMEM puts (another node, or ``put``), so the workspace has the staging region;
@@ -270,6 +272,8 @@ class Buffer:
             config = buffer_config(world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
                                    intermediate=intermediate, num_experts=num_experts, top_k=top_k,
                                    row_align=row_align, num_sms=num_sms)
+            if precision in FP8_PRECISIONS:
+                check_fp8_buffer(hidden, intermediate, row_align)
             refused = None
         except (TypeError, ValueError, NotImplementedError) as exc:
             transport, refused = None, exc

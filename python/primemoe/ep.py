@@ -131,6 +131,13 @@ class BufferTransport:
         row past them."""
         return lib.copy_routed_rows(rows, self.offsets)
 
+    def relayout(self, rows, row_align):
+        """Every pass over a Buffer uses its one receive layout: ``fc1_out`` is already in it."""
+        if row_align != self.row_align:
+            raise ValueError(f"buffer: rows of a layout at row_align={row_align}, but this buffer's receive layout "
+                             f"has row_align={self.row_align}")
+        return rows
+
     def backward_rows(self, saved):
         """The forward's rows in the backward's receive layout: the same routing gives the same layout."""
         if saved is None or saved.shape[0] == 0:

@@ -304,8 +304,12 @@ def _drop(key: int) -> None:
     _CACHE.pop(key, None)
 
 
-def quantized_weights(w: torch.Tensor, pow2: bool = True) -> QuantizedWeights:
+def quantized_weights(w: torch.Tensor, pow2: bool = True, *, quantize=None) -> QuantizedWeights:
     """The 128x128 quantisation of ``w`` (:func:`quantize_128x128`), reused until ``w`` changes.
+
+    ``quantize``: what quantises on a miss, ``quantize(w, pow2) -> (q, s)``, bitwise equal to
+    :func:`quantize_128x128` (the layer passes the CUDA kernel ``torch.ops.primemoe.quantize_fp8_128x128`` for CUDA
+    weights: the ATen form makes float32 copies of the whole weight); None: :func:`quantize_128x128`.
 
     Keyed on the tensor object itself (pass the same Parameter every step: a fresh alias such as
     ``w.detach()`` is another tensor and gets its own, short-lived entry), its version counter, storage and
@@ -326,7 +330,7 @@ def quantized_weights(w: torch.Tensor, pow2: bool = True) -> QuantizedWeights:
             return hit[1]
     stamp = _stamp(w)
     with torch.no_grad():
-        value = QuantizedWeights(*quantize_128x128(w, pow2), bool(pow2))
+        value = QuantizedWeights(*(quantize or quantize_128x128)(w, pow2), bool(pow2))
     if stamp is None:
         return value
     if slot is None:

@@ -29,12 +29,24 @@ else on ``torch._grouped_mm`` (_fallback.py). Either way the GEMMs skip the rows
 ones (``zero_unrouted=False``): downstream reads only the slots' rows (the combine, the scalars) and
 each expert's routed rows (the weight gradients).
 
+Precisions (DESIGN.md section 2): ``"bf16"`` as above; ``"fp8"`` the same composition on the blockwise FP8
+ops (``reference._FP8_SPEC``: ``quantize_fp8_1x128`` of the dispatched bf16 rows, ``fp8_expert_gemm`` with the
+cached 128x128 weight quantisation ``fp8.quantized_weights``, ``fp8_swiglu_quant`` between FC1 and FC2) over a
+layout whose experts start at multiples of ``FP8_ROW_ALIGN`` (128); ``"fp8_bwd"`` the bf16 forward unchanged
+(its layout, its kernels: bitwise the ``"bf16"`` forward) and the FP8 backward. The FP8 backward (both modes):
+FC2 dgrad on ``quantize_fp8_1x128(dy rows)`` (fp32 ``da``), ``fp8_swiglu_backward`` (``dh`` in bf16 and
+quantised, ``aw``, the rows' ``<da, a>``), FC1 dgrad, and the weight gradients ``fp8_expert_wgrad`` on the
+operands re-quantised 128x1 along the rows from bf16. The FP8 ops have no rows-ready hook: the FP8 forward
+dispatches with the transport's wait. Nothing reads device data on the host (a step is CUDA-graph capturable);
+during a capture the weights are quantised inside the graph instead of being taken from the cache.
+
 ``fc1_out`` is ``[rows, 2I]`` in the transport's row order; ``moe_forward``'s is the layout of
-``dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)``: experts in order, each expert's slots in slot
-order, each expert's range padded with zero rows to a multiple of ``ROW_ALIGN`` (the GEMM tile
-height), rows past the padded total zeros. Kept by default (``keep_fc1=True``): the backward then
-skips a third of the forward's FLOPs for 2·I·2 bytes per row; ``keep_fc1=False`` recomputes FC1 in
-the backward to save that memory.
+``dispatch_layout(topk_idx, E, 0, E, forward_row_align(precision))`` (``ROW_ALIGN``, the GEMM tile
+height; ``FP8_ROW_ALIGN`` for "fp8"): experts in order, each expert's slots in slot order, each
+expert's range padded with zero rows to a multiple of the alignment, rows past the padded total
+zeros. Kept by default (``keep_fc1=True``): the backward then skips a third of the forward's FLOPs
+for 2·I·2 bytes per row; ``keep_fc1=False`` recomputes FC1 in the backward to save that memory.
+"fp8_bwd"'s backward runs on the FP8 layout and moves the kept rows into it (``LocalTransport.relayout``).
 """
 
 from __future__ import annotations
@@ -44,13 +56,14 @@ import functools
 import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
-from . import _fallback
-from ._constants import ROW_ALIGN
-from ._validate import check_moe_inputs, check_precision
+from . import _fallback, fp8
+from ._constants import FP8_ROW_ALIGN, ROW_ALIGN
+from ._validate import FP8_PRECISIONS, check_moe_inputs, check_precision
 from .buffer import Buffer
 from .ep import BufferTransport, check_buffer_problem, lookup_buffer
 
-__all__ = ["moe", "ep_moe", "forward", "backward", "LocalTransport", "engine_supports", "ROW_ALIGN"]
+__all__ = ["moe", "ep_moe", "forward", "backward", "LocalTransport", "engine_supports", "ROW_ALIGN", "FP8_ROW_ALIGN",
+           "forward_row_align", "backward_row_align"]
 
 lib = torch.ops.primemoe
 
@@ -149,6 +162,83 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine)
     return dxs, dw1, dw2, dot.sum(1)
 
 
+# ---------------------------------------------------------------- the FP8 expert part
+
+
+def forward_row_align(precision: str) -> int:
+    """The row alignment of ``moe_forward``'s layout (and of its ``fc1_out``) for ``precision``."""
+    return FP8_ROW_ALIGN if precision == "fp8" else ROW_ALIGN
+
+
+def backward_row_align(precision: str) -> int:
+    """The row alignment of ``moe_backward``'s layout for ``precision`` (the FP8 backward's for both FP8 modes)."""
+    return FP8_ROW_ALIGN if precision in FP8_PRECISIONS else ROW_ALIGN
+
+
+def fp8_weights(w: torch.Tensor) -> fp8.QuantizedWeights:
+    """The 128x128 quantisation of a weight (pow2 scales): cached until the weight changes
+    (``fp8.quantized_weights``, one quantisation per optimizer step; CUDA weights by the CUDA kernel), except
+    during a CUDA-graph capture, where it is quantised inside the graph: a replay must see the weights' values at
+    replay time, not the cache's at capture time."""
+    if w.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return fp8.QuantizedWeights(*lib.quantize_fp8_128x128(w, True), True)
+        return fp8.quantized_weights(w, True, quantize=lib.quantize_fp8_128x128)
+    return fp8.quantized_weights(w, True)
+
+
+def fp8_fc1(xs, w1, offsets):
+    """FC1's bf16 pre-activations ``h [rows, 2I]`` on the FP8 operands (spec steps 1-2): the bf16 rows quantised
+    1x128 along H (scales MN-major, as the GEMM loads them), ``w1``'s cached 128x128 blocks."""
+    xq, x_scale = lib.quantize_fp8_1x128(xs, True, True, offsets)
+    w1q = fp8_weights(w1)
+    return lib.fp8_expert_gemm(xq, x_scale, w1q.q, w1q.s, offsets)
+
+
+def fp8_fc2(h, w2, offsets, row_weight):
+    """``row_weight * FC2(swiglu(h))`` (spec steps 3-5): the SwiGLU output quantised 1x128 along I, the weight
+    applied to the GEMM's fp32 result, bf16 rows."""
+    a_q, a_scale = lib.fp8_swiglu_quant(h, offsets, True)
+    w2q = fp8_weights(w2)
+    return lib.fp8_expert_gemm(a_q, a_scale, w2q.q, w2q.s, offsets, row_weight)
+
+
+def _tile_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The leading rows of ``rows`` in whole 128-row tiles (a view): the 128x1 quantiser and the weight-gradient
+    GEMM take tiles of rows, and every expert's rows (``< offsets[-1]``, a multiple of 128 no larger than the
+    layout's rows) lie inside them."""
+    return rows[:rows.shape[0] // FP8_ROW_ALIGN * FP8_ROW_ALIGN]
+
+
+def fp8_expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts):
+    """``(dxs, dw1, dw2, dtw_rows)`` as ``expert_backward`` defines them (``dw`` in the weights' dtypes), on the FP8
+    recipe (spec steps 7-12), given the bf16 pre-activations ``h`` (kept or recomputed by the caller)."""
+    w1q, w2q = fp8_weights(w1), fp8_weights(w2)
+    dy_q, dy_scale = lib.quantize_fp8_1x128(dy_rows, True, True, offsets)
+    w2q_t, w2s_t = w2q.transposed_contiguous()  # [E, I, H]: FC2 dgrad contracts over H
+    da = lib.fp8_expert_gemm(dy_q, dy_scale, w2q_t, w2s_t, offsets, None, True)  # fp32, unweighted
+    dh, dh_q, dh_scale, aw, dot = lib.fp8_swiglu_backward(da, h, row_weight, offsets, True)
+    w1q_t, w1s_t = w1q.transposed_contiguous()  # [E, H, 2I]: FC1 dgrad contracts over 2I
+    dxs = lib.fp8_expert_gemm(dh_q, dh_scale, w1q_t, w1s_t, offsets)
+    # Weight gradients: both operands re-quantised from bf16 in 128x1 tiles along each expert's rows.
+    dy_t, dy_t_scale = lib.quantize_fp8_128x1(_tile_rows(dy_rows), True, True, offsets)
+    aw_t, aw_t_scale = lib.quantize_fp8_128x1(_tile_rows(aw), True, True, offsets)
+    # Rounded to bf16 weights' gradients by the GEMM (fp32 for other weights): no fp32 copy of a weight's size.
+    dw2 = lib.fp8_expert_wgrad(dy_t, dy_t_scale, aw_t, aw_t_scale, offsets, counts,
+                               w2.dtype != torch.bfloat16).to(w2.dtype)  # [E, H, I]
+    dh_t, dh_t_scale = lib.quantize_fp8_128x1(_tile_rows(dh), True, True, offsets)
+    xs_t, xs_t_scale = lib.quantize_fp8_128x1(_tile_rows(xs), True, True, offsets)
+    dw1 = lib.fp8_expert_wgrad(dh_t, dh_t_scale, xs_t, xs_t_scale, offsets, counts,
+                               w1.dtype != torch.bfloat16).to(w1.dtype)  # [E, 2I, H]
+    return dxs, dw1, dw2, dot
+
+
+def _check_fp8_layout(transport) -> None:
+    if transport.row_align % FP8_ROW_ALIGN:
+        raise ValueError(f"the FP8 composition needs a layout whose experts start at multiples of {FP8_ROW_ALIGN} "
+                         f"rows, got the transport's row_align={transport.row_align}")
+
+
 # ---------------------------------------------------------------- the transports
 
 
@@ -164,12 +254,15 @@ class LocalTransport:
     - ``row_weight(topk_weights)``: each row's routing weight, fp32, 0 on padding rows;
     - ``combine(rows, row_scalars=None)`` -> ``(out [T, H], slot scalars fp32 [T, K] or None)``;
     - ``save_rows(rows)``: what the forward keeps of its rows for the backward (None: nothing), and
-      ``backward_rows(source)``: the forward's rows again, from ``x`` (here) or from what was kept.
+      ``backward_rows(source)``: the forward's rows again, from ``x`` (here) or from what was kept;
+    - ``relayout(rows, row_align)``: rows of this routing's layout at another alignment (the kept ``fc1_out`` of
+      a forward that ran at ``row_align``) moved into this one.
     """
 
     zero_fc1_out_tail = True  # moe_forward returns fc1_out: no row of it is left undefined
 
     def __init__(self, topk_idx, num_experts, row_align=ROW_ALIGN):
+        self.topk_idx, self.num_experts = topk_idx, num_experts
         self.top_k = topk_idx.shape[1]
         self.row_align = row_align
         self.counts, self.offsets, self.slot_to_row, self.row_to_slot = lib.dispatch_layout(
@@ -198,6 +291,19 @@ class LocalTransport:
     def backward_rows(self, x):
         return self.dispatch(x)[0]
 
+    def relayout(self, rows, row_align):
+        """``rows`` [R', C] in the layout of the same routing at ``row_align`` -> this layout [R, C]: each routed
+        row moved to its slot's row here, zeros on padding rows, the rows past the routed ones left undefined.
+        Without a host sync: the row map ``this row -> slot -> row there`` is built on the device and the move is
+        ``gather_rows`` with one "slot" per source row (top_k = 1)."""
+        if row_align == self.row_align:
+            return rows
+        E = self.num_experts
+        slot_to_row_there = lib.dispatch_layout(self.topk_idx, E, 0, E, row_align)[2].reshape(-1)
+        slot = self.row_to_slot.long()
+        source_row = torch.where(slot >= 0, slot_to_row_there.index_select(0, slot.clamp_min(0)), -1)
+        return lib.gather_rows(rows, source_row.to(torch.int32), 1, None, None, self.offsets)
+
 
 # ---------------------------------------------------------------- the composition
 
@@ -210,9 +316,13 @@ def _use_engine(engine, x, w1, transport) -> bool:
     return engine
 
 
-def forward(transport, x, topk_weights, w1, w2, *, keep_fc1=True, save_rows=False, engine=None):
+def forward(transport, x, topk_weights, w1, w2, *, keep_fc1=True, save_rows=False, engine=None, precision="bf16"):
     """The layer's forward: ``(y [T, H], fc1_out, saved)``, ``saved`` = ``transport.save_rows`` of the
-    dispatched rows when ``save_rows`` (else None), for ``backward``'s ``source``."""
+    dispatched rows when ``save_rows`` (else None), for ``backward``'s ``source``. ``precision`` "fp8": the FP8
+    forward (``engine`` does not apply; the transport's layout must be 128-aligned); "bf16" and "fp8_bwd": the
+    bf16 forward."""
+    if precision == "fp8":
+        return _fp8_forward(transport, x, topk_weights, w1, w2, keep_fc1=keep_fc1, save_rows=save_rows)
     engine = _use_engine(engine, x, w1, transport)
     if transport.idle:
         return x.new_zeros(x.shape), x.new_zeros(transport.num_rows if keep_fc1 else 0, w1.shape[1]), None
@@ -227,9 +337,31 @@ def forward(transport, x, topk_weights, w1, w2, *, keep_fc1=True, save_rows=Fals
     return y, h, (transport.save_rows(xs) if save_rows else None)
 
 
-def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=None):
+def _fp8_forward(transport, x, topk_weights, w1, w2, *, keep_fc1, save_rows):
+    _check_fp8_layout(transport)
+    if transport.idle:
+        return x.new_zeros(x.shape), x.new_zeros(transport.num_rows if keep_fc1 else 0, w1.shape[1]), None
+    # The FP8 GEMMs have no rows-ready hook: the dispatch waits for the rows itself.
+    xs, _, offsets = transport.dispatch(x, topk_weights, wait=True)
+    h = fp8_fc1(xs, w1, offsets)
+    if keep_fc1 and transport.zero_fc1_out_tail:
+        lib.zero_unrouted_rows(h, offsets)
+    o = fp8_fc2(h, w2, offsets, transport.row_weight(topk_weights))
+    y, _ = transport.combine(o)
+    fc1_out = h if keep_fc1 else x.new_empty(0, w1.shape[1])
+    return y, fc1_out, (transport.save_rows(xs) if save_rows else None)
+
+
+def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=None, precision="bf16",
+             fc1_row_align=None):
     """The layer's backward: ``(dx, d_topk_weights fp32, dw1, dw2)``. ``source``: ``x`` (local) or the
-    forward's ``saved`` (Buffer); ``fc1_out``: the forward's (None or empty: FC1 is recomputed)."""
+    forward's ``saved`` (Buffer); ``fc1_out``: the forward's (None or empty: FC1 is recomputed).
+    ``precision`` "fp8" / "fp8_bwd": the FP8 backward (the transport's layout must be 128-aligned; the
+    recomputed FC1 is the forward's: FP8 for "fp8", bf16 for "fp8_bwd"); ``fc1_row_align``: the alignment of the
+    layout ``fc1_out`` is in (None: the transport's), moved into the transport's layout when it differs."""
+    if precision in FP8_PRECISIONS:
+        return _fp8_backward(transport, dy, source, topk_weights, w1, w2, fc1_out, engine=engine,
+                             precision=precision, fc1_row_align=fc1_row_align)
     engine = _use_engine(engine, dy, w1, transport)
     if transport.idle:
         T, K = topk_weights.shape
@@ -246,6 +378,29 @@ def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=Non
     return dx, d_topk_weights, dw1, dw2
 
 
+def _fp8_backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine, precision, fc1_row_align):
+    _check_fp8_layout(transport)
+    if transport.idle:
+        T, K = topk_weights.shape
+        return (dy.new_zeros(dy.shape), torch.zeros(T, K, dtype=torch.float32, device=dy.device),
+                torch.zeros_like(w1), torch.zeros_like(w2))
+    xs = transport.backward_rows(source)
+    dy_rows, counts, offsets = transport.dispatch(dy.contiguous(), topk_weights)
+    row_weight = transport.row_weight(topk_weights)
+    if fc1_out is not None and fc1_out.numel():
+        align = transport.row_align if fc1_row_align is None else fc1_row_align
+        h = transport.relayout(fc1_out, align)
+    elif precision == "fp8":
+        h = fp8_fc1(xs, w1, offsets)
+    elif _use_engine(engine, dy, w1, transport):  # fp8_bwd: the bf16 forward's pre-activations
+        h = lib.expert_gemm(xs, w1, offsets, False, zero_unrouted=False)
+    else:
+        h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets[1:])  # _fallback.fc1's h
+    dxs, dw1, dw2, dtw_rows = fp8_expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts)
+    dx, d_topk_weights = transport.combine(dxs, dtw_rows)
+    return dx, d_topk_weights, dw1, dw2
+
+
 # ---------------------------------------------------------------- the buffer= path's ops
 # Schemas in csrc/binding/registrar.cpp.
 
@@ -255,14 +410,15 @@ def _ep_moe_forward(x, topk_idx, topk_weights, w1, w2, buffer, precision="bf16",
     unless ``save_rows`` (no backward follows)."""
     check_precision(precision)
     transport = BufferTransport(lookup_buffer(buffer), topk_idx)
-    y, fc1_out, saved = forward(transport, x, topk_weights, w1, w2, keep_fc1=keep_fc1, save_rows=save_rows)
+    y, fc1_out, saved = forward(transport, x, topk_weights, w1, w2, keep_fc1=keep_fc1, save_rows=save_rows,
+                                precision=precision)
     return y, fc1_out, (x.new_empty(0, x.shape[1]) if saved is None else saved)
 
 
 def _ep_moe_backward(dy, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows, buffer, precision="bf16"):
     check_precision(precision)
     transport = BufferTransport(lookup_buffer(buffer), topk_idx)
-    return backward(transport, dy, saved_rows, topk_weights, w1, w2, fc1_out)
+    return backward(transport, dy, saved_rows, topk_weights, w1, w2, fc1_out, precision=precision)
 
 
 @torch.library.register_fake("primemoe::_ep_moe_forward")

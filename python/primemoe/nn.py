@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from ._validate import check_precision
 from .layer import moe
 from .routing import route
 
@@ -24,6 +25,9 @@ class MoE(nn.Module):
 
     With a ``primemoe.Buffer`` (expert parallelism), ``w1`` / ``w2`` hold only this rank's
     ``buffer.local_experts`` experts, and a Qwen3 state dict loads just their slice.
+
+    ``precision``: passed to ``primemoe.moe`` ("fp8" / "fp8_bwd": blockwise FP8, H and I multiples of 128,
+    an sm_90 GPU or the CPU's reference; the router stays in the module's dtype).
     """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, *, norm_topk_prob=True,
@@ -32,7 +36,7 @@ class MoE(nn.Module):
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts, self.top_k = num_experts, top_k
         self.norm_topk_prob = norm_topk_prob
-        self.precision = precision
+        self.precision = check_precision(precision)  # "bf16", "fp8" or "fp8_bwd" (DESIGN.md section 2)
         self.buffer = buffer
         if buffer is not None:
             made_for = (buffer.hidden, buffer.intermediate, buffer.num_experts, buffer.top_k)

@@ -21,7 +21,11 @@ sums each token's already weighted rows. The engine's ops:
   the layout's counts, only up to the last 64-row k-slice holding a routed row).
 
 ``fc1_out`` is ``[rows, 2I]`` in the expert-major row order of
-``dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)`` (see layer.py), rows past the padded total zeros.
+``dispatch_layout(topk_idx, E, 0, E, layer.forward_row_align(precision))`` (``ROW_ALIGN``; 128 for precision
+"fp8"; see layer.py), rows past the padded total zeros.
+
+Precisions "fp8" and "fp8_bwd" (DESIGN.md section 2): on CUDA the layer's FP8 composition (sm_90); on the CPU the
+FP8-emulating reference (``reference.moe_fp8`` / ``moe_fp8_backward``, ``fp8_forward`` for "fp8" only).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import torch
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from . import _cpu  # noqa: F401  (registers the primitives' CPU kernels)
 from . import _quant_ops  # noqa: F401  (the FP8 quantisation ops' fakes and CPU kernels)
+from . import _fp8_ops  # noqa: F401  (the FP8 expert GEMMs' fakes and CPU kernels)
 from . import layer, reference
-from ._constants import ROW_ALIGN, TILE_N, layout_max_rows
-from ._validate import check_precision
+from ._constants import ROW_ALIGN, TILE_N, layout_max_rows  # noqa: F401  (ROW_ALIGN: re-exported for the tests)
+from ._validate import FP8_PRECISIONS, check_precision
 
 lib = torch.ops.primemoe
 
@@ -44,7 +49,7 @@ lib = torch.ops.primemoe
 @torch.library.register_fake("primemoe::moe_forward")
 def _moe_forward_fake(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_fc1=True):
     T, K = topk_idx.shape
-    rows = layout_max_rows(T * K, w1.shape[0], ROW_ALIGN) if keep_fc1 else 0
+    rows = layout_max_rows(T * K, w1.shape[0], layer.forward_row_align(precision)) if keep_fc1 else 0
     return x.new_empty(x.shape), x.new_empty(rows, w1.shape[1])
 
 
@@ -131,29 +136,43 @@ def _ep_combine_fake(workspace, epoch, rows, row_scalars, expert_offsets, rank, 
 # ---------------------------------------------------------------- CPU: the reference
 
 
-def _fc1_rows_cpu(x, topk_idx, w1):
+def _fc1_rows_cpu(x, topk_idx, w1, precision="bf16", w2=None):
+    """FC1's pre-activations in moe_forward's layout: the bf16 path's (float32 products), or for "fp8" the
+    FP8-emulating reference's (spec step 2: quantised operands, float64 products rounded to float32, then bf16)."""
     E = w1.shape[0]
     K = topk_idx.shape[1]
-    counts, offsets, _, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, ROW_ALIGN)
+    counts, offsets, _, row_to_slot = lib.dispatch_layout(topk_idx, E, 0, E, layer.forward_row_align(precision))
     acc = reference.compute_dtype(x.dtype)
+    fp8_operands = reference._Fp8Operands(x, w1, w2, True, True) if precision == "fp8" else None
     out = x.new_zeros(row_to_slot.numel(), w1.shape[1])
     for e in range(E):
         lo, n = int(offsets[e]), int(counts[e])
         if n:
             tokens = row_to_slot[lo:lo + n].long() // K
-            out[lo:lo + n] = (x[tokens].to(acc) @ w1[e].to(acc).t()).to(x.dtype)
+            if fp8_operands is not None:
+                out[lo:lo + n] = fp8_operands.fc1(e, tokens).to(x.dtype)
+            else:
+                out[lo:lo + n] = (x[tokens].to(acc) @ w1[e].to(acc).t()).to(x.dtype)
     return out
 
 
 def _moe_forward_cpu(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_fc1=True):
     check_precision(precision)
-    y = reference.moe(x, topk_idx, topk_weights, w1, w2)
-    fc1 = _fc1_rows_cpu(x, topk_idx, w1) if keep_fc1 else x.new_empty(0, w1.shape[1])
+    if precision == "fp8":
+        with torch.no_grad():
+            y = reference.moe_fp8(x, topk_idx, topk_weights, w1, w2, fp8_forward=True)
+    else:  # "bf16", and "fp8_bwd"'s forward, which is the bf16 one
+        y = reference.moe(x, topk_idx, topk_weights, w1, w2)
+    fc1 = _fc1_rows_cpu(x, topk_idx, w1, precision, w2) if keep_fc1 else x.new_empty(0, w1.shape[1])
     return y, fc1
 
 
 def _moe_backward_cpu(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
     check_precision(precision)
+    if precision in FP8_PRECISIONS:
+        dx, dtw, dw1, dw2 = reference.moe_fp8_backward(dy, x, topk_idx, topk_weights, w1, w2,
+                                                      fp8_forward=precision == "fp8")
+        return dx.to(x.dtype), dtw, dw1.to(w1.dtype), dw2.to(w2.dtype)
     return reference.moe_backward(dy, x, topk_idx, topk_weights, w1, w2)
 
 
@@ -162,14 +181,16 @@ def _moe_backward_cpu(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision=
 
 def _moe_forward_cuda(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_fc1=True):
     check_precision(precision)
-    transport = layer.LocalTransport(topk_idx, w1.shape[0])
-    y, fc1_out, _ = layer.forward(transport, x, topk_weights, w1, w2, keep_fc1=keep_fc1)
+    transport = layer.LocalTransport(topk_idx, w1.shape[0], layer.forward_row_align(precision))
+    y, fc1_out, _ = layer.forward(transport, x, topk_weights, w1, w2, keep_fc1=keep_fc1, precision=precision)
     return y, fc1_out
 
 
 def _moe_backward_cuda(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
     check_precision(precision)
-    return layer.backward(layer.LocalTransport(topk_idx, w1.shape[0]), dy, x, topk_weights, w1, w2, fc1_out)
+    transport = layer.LocalTransport(topk_idx, w1.shape[0], layer.backward_row_align(precision))
+    return layer.backward(transport, dy, x, topk_weights, w1, w2, fc1_out, precision=precision,
+                          fc1_row_align=layer.forward_row_align(precision))
 
 
 # Registered as plain calls (the decorator form returns None) so the functions stay importable.
