@@ -58,7 +58,7 @@ def expected_rows(offsets, q, s, wq, ws, row_weight):
             b = fp8.dequantize_128x128(wq[e], ws[e], torch.float64)
             out[lo:hi] = (a[lo:hi] @ b.t()).float().double()
     if row_weight is not None:
-        out = (out.float() * row_weight).double()
+        out = (out.float() * row_weight.unsqueeze(1)).double()
     return out
 
 
