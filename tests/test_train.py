@@ -66,10 +66,11 @@ def test_swapped_model_has_no_hf_moe_blocks_and_same_start():
                                    rtol=1e-5, atol=1e-5)
 
 
-# FP8 (on the CPU: the FP8-emulating reference) against the unquantised HF model: each step's loss within 1% of
-# the HF model's (FP8's relative error of a layer's output is ~6%, diluted by the residual stream and the
-# attention layers that stay unquantised). Measured with the tiny model: see the test's output.
-FP8_STEPS, FP8_RELATIVE_TOL = 3, 0.01
+# FP8 (on the CPU: the FP8-emulating reference) against the unquantised HF model: each step's loss within 0.25% of
+# the HF model's, DeepSeek-V3's figure for FP8 training (a layer's FP8 output is ~6% off, diluted by the residual
+# stream and the unquantised attention). Measured with the tiny model over 3 steps: at most 0.009% (fp8) and
+# 0.022% (fp8_bwd).
+FP8_STEPS, FP8_RELATIVE_TOL = 3, 0.0025
 
 
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
