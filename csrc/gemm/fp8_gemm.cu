@@ -43,6 +43,20 @@ cudaError_t make_fp8_map(CUtensorMap* map, const void* base, uint64_t inner, uin
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The bf16 output [outer, inner] in 64 x 64 boxes with the 128-byte swizzle (the staging boxes' layout).
+cudaError_t make_bf16_out_map(CUtensorMap* map, void* base, uint64_t inner, uint64_t outer) {
+  EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {inner, outer, 1};
+  const cuuint64_t strides[2] = {inner * 2, inner * outer * 2};
+  const cuuint32_t box[3] = {64, 64, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 int compute_capability(int device) {
   static std::atomic<int> known[kMaxDevices];
   if (device < 0 || device >= kMaxDevices) return 0;
@@ -118,6 +132,10 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
   } else {
     err = make_fp8_map(&params.tma_a, a.a, rows, uint64_t(a.m), 1);
     if (err == cudaSuccess) err = make_fp8_map(&params.tma_b, a.b, rows, uint64_t(a.n), 1);
+  }
+  if (err == cudaSuccess && !a.out_fp32) {
+    const uint64_t out_rows = a.schedule == Fp8Schedule::kRows ? rows : uint64_t(a.num_experts) * uint64_t(a.m);
+    err = make_bf16_out_map(&params.tma_out, a.out, uint64_t(a.n), out_rows);
   }
   if (err != cudaSuccess) return err;
   const int grid = a.num_sms > 0 ? a.num_sms : 1;

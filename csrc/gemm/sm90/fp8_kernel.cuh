@@ -3,7 +3,8 @@
 // scales (cp.async, completing on the same mbarrier); warpgroups 1 and 2 consume: each owns 64 rows of the
 // 128 x 128 tile, multiplies a k-block into a fresh m64n128 accumulator (4 wgmma k32), waits for it and adds it,
 // scaled by its rows' (and columns') operand scales, into the fp32 result (the promotion). While one warpgroup
-// promotes, the other's wgmma keep the tensor cores busy. The epilogue stores from registers.
+// promotes, the other's wgmma keep the tensor cores busy. bf16 results leave through 128B-swizzled staging boxes and
+// TMA stores that drain while the next tile's mainloop runs; fp32 results are stored from registers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,6 +18,7 @@
 
 #include "../../kernels/ptx.cuh"
 #include "../fp8_gemm.cuh"
+#include "pipeline.cuh"  // the staging boxes' swizzle (swizzled, pair_offset, kBoxBytes)
 
 namespace primemoe::sm90 {
 
@@ -30,18 +32,20 @@ constexpr int kFp8ProducerRegs = 56;
 constexpr int kFp8ConsumerRegs = 224;
 static_assert(128 * (kFp8LaunchRegs - kFp8ProducerRegs) >= 256 * (kFp8ConsumerRegs - kFp8LaunchRegs),
               "the consumers' registers must come from the producer's");
-constexpr int kFp8Stages = 6;
+constexpr int kFp8Stages = 5;  // with the staging boxes, what fits in 227 KiB
 constexpr int kFp8TileBytes = kFp8TileM * kFp8TileK;  // one 128 x 128 e4m3 operand tile, 16 KiB
 
 struct Fp8Params {
   CUtensorMap tma_a;  // kRows: [num_rows, k]; kExperts: [m, num_rows]
   CUtensorMap tma_b;  // kRows: [E, n, k]; kExperts: [n, num_rows]
+  CUtensorMap tma_out;  // bf16 out: kRows [num_rows, n]; kExperts [E * m, n], in 64 x 64 boxes
   Fp8GemmArgs args;
 };
 
 struct Fp8Smem {
   float_e4m3_t a[kFp8Stages * kFp8TileBytes];
   float_e4m3_t b[kFp8Stages * kFp8TileBytes];
+  bfloat16_t staging[2][2 * 64 * 64];  // per consumer warpgroup: its 64 rows x 128 columns as two 64 x 64 boxes
   float sa[kFp8Stages][kFp8TileM];  // the A scales of the tile's 128 rows for the stage's k-block
   float sb[kFp8Stages][kFp8TileN];  // kRows: [0], the weight block's scale; kExperts: the 128 columns' scales
   uint64_t full[kFp8Stages];
@@ -284,8 +288,7 @@ __device__ __forceinline__ void fp8_consumers(const Fp8Params& p, Fp8Smem& smem)
       }
       pos.step();
     }
-    // The epilogue: pairs of adjacent columns straight from registers.
-    int64_t out_row0;
+    int64_t out_row0;  // the thread's first output row
     int32_t rows_left;  // rows of the thread's first row onwards that are stored
     if constexpr (S == Fp8Schedule::kRows) {
       out_row0 = int64_t(tile.m0) + my_row;
@@ -294,20 +297,43 @@ __device__ __forceinline__ void fp8_consumers(const Fp8Params& p, Fp8Smem& smem)
       out_row0 = int64_t(tile.expert) * args.m + tile.m0 + my_row;
       rows_left = kFp8TileM;
     }
+    if (!args.out_fp32) {
+      // The warpgroup's 64 rows into its two staging boxes (once the previous tile's stores have read them), then one
+      // thread's TMA stores, which clip rows past the tensor; the expert's rows end on a tile (offsets multiples of
+      // 128), so every other row stored is one of its own (padding rows: zeros).
+      const uint32_t slots = smem_addr(smem.staging[wg]);
+      if (wtid == 0) store_wait_read();
+      named_barrier<128>(wg + 1);
+      const uint32_t at = slots + frag_row * 128 + frag_col * 2;
+      const uint32_t swizzle = uint32_t(frag_row & 7) << 4;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); i += 2) {
+        const float w = row_weight[(i >> 1) & 1];
+        const __nv_bfloat162 v = __floats2bfloat162_rn(acc(i) * w, acc(i + 1) * w);
+        st_shared(at + pair_offset(i, swizzle), *reinterpret_cast<const uint32_t*>(&v));
+      }
+      fence_proxy_async_shared();
+      named_barrier<128>(wg + 1);
+      if (wtid == 0) {
+        const int32_t row0 = int32_t(out_row0 - frag_row);
+        tma_store(&p.tma_out, slots, tile.n0, row0);
+        tma_store(&p.tma_out, slots + kBoxBytes, tile.n0 + 64, row0);
+        store_commit();
+      }
+      continue;
+    }
+    // fp32: pairs of adjacent columns straight from registers.
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
       const int h = (i >> 1) & 1;
       if (8 * h >= rows_left) continue;
       const int64_t at = (out_row0 + 8 * h) * args.n + tile.n0 + frag_col + 8 * (i >> 2);
-      const float v0 = acc(i) * row_weight[h];
-      const float v1 = acc(i + 1) * row_weight[h];
-      if (args.out_fp32) {
-        *reinterpret_cast<float2*>(static_cast<float*>(args.out) + at) = make_float2(v0, v1);
-      } else {
-        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(args.out) + at) = __floats2bfloat162_rn(v0, v1);
-      }
+      *reinterpret_cast<float2*>(static_cast<float*>(args.out) + at) =
+          make_float2(acc(i) * row_weight[h], acc(i + 1) * row_weight[h]);
     }
   }
+  // The staging boxes must outlive the TMA stores that read them.
+  if (wtid == 0) store_wait_read();
 }
 
 template <Fp8Schedule S>
