@@ -20,6 +20,7 @@ constexpr int kVec = kBf16Vec;                       // 8 values per lane and ti
 constexpr int kRowLanes = kFp8Tile / kVec;           // 16
 constexpr int kThreads = 256;
 constexpr int kRowsPerBlock = kThreads / kRowLanes;  // 16
+constexpr int kMinBlocks = 3;  // 24 warps per SM: at most 85 registers (4 would spill)
 constexpr int kQuantUnroll = 4;                      // tiles in flight per row: 4 x 32 bytes per lane
 constexpr int kBackwardUnroll = 2;                   // 2 x 64 bytes per lane
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -61,7 +62,7 @@ __device__ __forceinline__ float swiglu_value(float silu, float u) {
 
 // ---------------------------------------------------------------- forward: a = swiglu(h), quantised 1x128
 
-__global__ void __launch_bounds__(kThreads) fp8_swiglu_quant_kernel(Fp8SwigluQuantArgs p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_swiglu_quant_kernel(Fp8SwigluQuantArgs p) {
   const int64_t rows = live_rows(p.rows_end, p.rows);
   const int64_t tiles = p.inter / kFp8Tile;  // a's tiles per row
   const int64_t h_vecs = 2 * tiles * kRowLanes;  // 16-byte vectors per row of h
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(kThreads) fp8_swiglu_quant_kernel(Fp8SwigluQua
 
 // ---------------------------------------------------------------- backward: dh, its 1x128 quantisation, aw, dot
 
-__global__ void __launch_bounds__(kThreads) fp8_swiglu_backward_kernel(Fp8SwigluBackwardArgs p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_swiglu_backward_kernel(Fp8SwigluBackwardArgs p) {
   const int64_t rows = live_rows(p.rows_end, p.rows);
   const int64_t tiles = p.inter / kFp8Tile;  // tiles of I per row; dh has 2 * tiles
   const int64_t h_vecs = 2 * tiles * kRowLanes;

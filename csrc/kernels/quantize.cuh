@@ -12,7 +12,8 @@
 // Non-finite inputs are outside the contract (here a NaN is ignored by amax; fp8.py's amax propagates it).
 //
 // One kernel launch per call, no host sync, nothing allocated: capturable in a CUDA graph; every output
-// element is written (but the rows past rows_end, when given); the result does not depend on the grid (max is order-independent).
+// element is written (but those of the rows past rows_end, when given); the result does not depend on the grid
+// (max is order-independent).
 #pragma once
 
 #include <cuda_runtime.h>
