@@ -36,6 +36,8 @@ constexpr int kTileLanes = kFp8Tile / kVec;  // 16
 constexpr int k1x128Unroll = 4;
 constexpr int k1x128TilesPerStep = k1x128Threads / kTileLanes * k1x128Unroll;  // 64 per block and step
 
+// kMnMajor: a.scale_mn_major (a template argument, so that the default layout's kernel has no divisions).
+template <bool kMnMajor>
 __global__ void __launch_bounds__(k1x128Threads, 4) quantize_1x128_kernel(Quantize1x128Args a) {
   // With rows_end, only the tiles of the rows before it (a prefix of the tiles).
   const int64_t row_tiles = a.cols / kFp8Tile;
@@ -63,7 +65,7 @@ __global__ void __launch_bounds__(k1x128Threads, 4) quantize_1x128_kernel(Quanti
         q[tile * kTileLanes + part] = fp8x8_quantize(v[u], m);
         if (part == 0) {
           // MN-major: tile t of row r at scale[t * rows + r].
-          const int64_t at = a.scale_mn_major ? tile % row_tiles * a.rows + tile / row_tiles : tile;
+          const int64_t at = kMnMajor ? tile % row_tiles * a.rows + tile / row_tiles : tile;
           a.scale[at] = fp8_scale(m);
         }
       }
@@ -220,7 +222,12 @@ cudaError_t launch_quantize_1x128(const Quantize1x128Args& a, cudaStream_t strea
   const int64_t tiles = a.rows * (a.cols / kFp8Tile);
   if (tiles == 0) return cudaSuccess;
   const int64_t steps = (tiles + k1x128TilesPerStep - 1) / k1x128TilesPerStep;
-  quantize_1x128_kernel<<<grid_of(std::min(steps, k1x128MaxBlocks)), k1x128Threads, 0, stream>>>(a);
+  const int grid = grid_of(std::min(steps, k1x128MaxBlocks));
+  if (a.scale_mn_major) {
+    quantize_1x128_kernel<true><<<grid, k1x128Threads, 0, stream>>>(a);
+  } else {
+    quantize_1x128_kernel<false><<<grid, k1x128Threads, 0, stream>>>(a);
+  }
   return cudaGetLastError();
 }
 
