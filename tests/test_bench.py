@@ -60,6 +60,35 @@ def test_dry_run_options():
     assert all("fp8 not supported" in c for c in cases if " fp8 " in c)
 
 
+def test_dry_run_precision_cells():
+    """Each precision a cell of its own: primemoe runs bf16, fp8 and fp8_bwd; the baseline bf16 only; mxfp8 is
+    not built."""
+    out = _run_bench("--dry-run", "--shapes", "qwen3-30b-a3b", "--tokens", "16", "--ep", "1", "--impl", "baseline",
+                     "primemoe", "--precision", "bf16", "fp8", "fp8_bwd", "mxfp8")
+    assert out.returncode == 0, out.stderr
+    lines = [line.strip() for line in out.stdout.splitlines()]
+    by_label = {" ".join(c.split()[3:5]): c for c in lines[1:-1]}
+    assert len(by_label) == 8
+    for precision in ("bf16", "fp8", "fp8_bwd"):
+        assert by_label[f"{precision} primemoe"].endswith("run")
+    assert by_label["bf16 baseline"].endswith("run")
+    assert "n/a: fp8 not supported (only bf16)" in by_label["fp8 baseline"]
+    assert "n/a: mxfp8 not supported (only bf16, fp8, fp8_bwd)" in by_label["mxfp8 primemoe"]
+    assert "fwd x bf16" in lines[-1] and "bwd x bf16" in lines[-1]
+
+
+def test_precision_ratios_are_to_the_same_impls_bf16():
+    def result(impl, precision, fwd, bwd, tokens=16):
+        return dict(shape="s", tokens=tokens, ep=1, impl=impl, precision=precision, user_fwd_ms=fwd, user_bwd_ms=bwd,
+                    user_fwd_vs_bf16=None, user_bwd_vs_bf16=None)
+    results = [result("baseline", "bf16", 4.0, 8.0), result("primemoe", "bf16", 2.0, 4.0),
+               result("primemoe", "fp8", 1.0, 2.5), result("primemoe", "fp8_bwd", 2.0, None),
+               result("primemoe", "fp8", 1.0, 1.0, tokens=32)]
+    bench.add_precision_ratios(results)
+    assert [(r["user_fwd_vs_bf16"], r["user_bwd_vs_bf16"]) for r in results] == [
+        (None, None), (None, None), (2.0, 1.6), (1.0, None), (None, None)]
+
+
 def test_dry_run_without_raw_ops():
     out = _run_bench("--dry-run", "--shapes", "qwen3-30b-a3b", "--tokens", "16", "--ep", "1", "--no-raw")
     assert out.returncode == 0, out.stderr

@@ -13,31 +13,17 @@ namespace {
 constexpr int kVec = kBf16Vec;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// max(acc, |v|) elementwise over v's 4 bf16 pairs, in bf16: exact (abs and max only pick values).
-__device__ __forceinline__ __nv_bfloat162 abs_max2(const uint4& v, __nv_bfloat162 acc) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) acc = __hmax2(acc, __habs2(h[i]));
-  return acc;
+// The routed row count *end (expert_offsets[E], read on the device) clamped to [0, rows].
+__device__ __forceinline__ int64_t routed_rows(const int32_t* end, int64_t rows) {
+  return max(int64_t(0), min(int64_t(*end), rows));
 }
 
 // max |v| over v's 8 values and acc (>= 0).
-__device__ __forceinline__ float abs_max(const uint4& v, float acc) {
-  const __nv_bfloat162 m = abs_max2(v, __float2bfloat162_rn(0.0f));
-  return fmaxf(acc, fmaxf(__low2float(m), __high2float(m)));
-}
+__device__ __forceinline__ float abs_max(const uint4& v, float acc) { return fmaxf(acc, bf16x8_abs_max(v)); }
 
 // Value j of v in fp32.
 __device__ __forceinline__ float element(const uint4& v, int j) {
   return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&v)[j]);
-}
-
-// The 8 values of v quantised with multiplier m: 8 e4m3 bytes in memory order.
-__device__ __forceinline__ uint2 quantize8(const uint4& v, float m) {
-  float f[kVec];
-  unpack(v, f);
-  return make_uint2(fp8x2_quantize(f[0], f[1], m) | fp8x2_quantize(f[2], f[3], m) << 16,
-                    fp8x2_quantize(f[4], f[5], m) | fp8x2_quantize(f[6], f[7], m) << 16);
 }
 
 // ---------------------------------------------------------------- 1x128: tiles along the contiguous dimension
@@ -50,8 +36,12 @@ constexpr int kTileLanes = kFp8Tile / kVec;  // 16
 constexpr int k1x128Unroll = 4;
 constexpr int k1x128TilesPerStep = k1x128Threads / kTileLanes * k1x128Unroll;  // 64 per block and step
 
+// kMnMajor: a.scale_mn_major (a template argument, so that the default layout's kernel has no divisions).
+template <bool kMnMajor>
 __global__ void __launch_bounds__(k1x128Threads, 4) quantize_1x128_kernel(Quantize1x128Args a) {
-  const int64_t tiles = a.rows * (a.cols / kFp8Tile);
+  // With rows_end, only the tiles of the rows before it (a prefix of the tiles).
+  const int64_t row_tiles = a.cols / kFp8Tile;
+  const int64_t tiles = (a.rows_end == nullptr ? a.rows : routed_rows(a.rows_end, a.rows)) * row_tiles;
   const int group = threadIdx.x / kTileLanes, part = threadIdx.x % kTileLanes;
   const uint4* __restrict__ x = static_cast<const uint4*>(a.x);
   uint2* __restrict__ q = static_cast<uint2*>(a.q);
@@ -72,8 +62,12 @@ __global__ void __launch_bounds__(k1x128Threads, 4) quantize_1x128_kernel(Quanti
       for (int off = kTileLanes / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
       const float m = fp8_multiplier(amax, a.pow2);
       if (tile < tiles) {
-        q[tile * kTileLanes + part] = quantize8(v[u], m);
-        if (part == 0) a.scale[tile] = fp8_scale(m);
+        q[tile * kTileLanes + part] = fp8x8_quantize(v[u], m);
+        if (part == 0) {
+          // MN-major: tile t of row r at scale[t * rows + r].
+          const int64_t at = kMnMajor ? tile % row_tiles * a.rows + tile / row_tiles : tile;
+          a.scale[at] = fp8_scale(m);
+        }
       }
     }
   }
@@ -105,7 +99,7 @@ __global__ void __launch_bounds__(kBlockThreads, 4) quantize_128x128_kernel(Quan
     for (int p = 0; p < kBlockPasses; ++p) v[p] = __ldg(w + p * kBlockRowsPerPass * row_vecs);
     __nv_bfloat162 pair_max = __float2bfloat162_rn(0.0f);
 #pragma unroll
-    for (int p = 0; p < kBlockPasses; ++p) pair_max = abs_max2(v[p], pair_max);
+    for (int p = 0; p < kBlockPasses; ++p) pair_max = bf16x8_abs_max2(v[p], pair_max);
     float amax = fmaxf(__low2float(pair_max), __high2float(pair_max));
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
@@ -116,7 +110,7 @@ __global__ void __launch_bounds__(kBlockThreads, 4) quantize_128x128_kernel(Quan
     const float m = fp8_multiplier(amax, a.pow2);
     if (threadIdx.x == 0) a.scale[b] = fp8_scale(m);
 #pragma unroll
-    for (int p = 0; p < kBlockPasses; ++p) q[p * kBlockRowsPerPass * row_vecs] = quantize8(v[p], m);
+    for (int p = 0; p < kBlockPasses; ++p) q[p * kBlockRowsPerPass * row_vecs] = fp8x8_quantize(v[p], m);
     __syncthreads();  // warp_max is rewritten by the next block
   }
 }
@@ -146,8 +140,11 @@ __global__ void __launch_bounds__(kColThreads, 4) quantize_128x1_kernel(Quantize
   __shared__ float warp_max[kColWarps][kColBlock];
   __shared__ float col_mult[kColBlock];
   __shared__ __align__(16) uint32_t stage[kColBlock * kStageWords];
-  const int64_t col_blocks = (a.cols + kColBlock - 1) / kColBlock, blocks = a.rows / kFp8Tile * col_blocks;
+  // With rows_end, only the row tiles that start before it (a prefix of the blocks).
   const int64_t row_tiles = a.rows / kFp8Tile;
+  const int64_t live_tiles =
+      a.rows_end == nullptr ? row_tiles : (routed_rows(a.rows_end, a.rows) + kFp8Tile - 1) / kFp8Tile;
+  const int64_t col_blocks = (a.cols + kColBlock - 1) / kColBlock, blocks = live_tiles * col_blocks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int vec = threadIdx.x % kColVecs, group = threadIdx.x / kColVecs;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
@@ -187,7 +184,7 @@ __global__ void __launch_bounds__(kColThreads, 4) quantize_128x1_kernel(Quantize
       const float m = fp8_multiplier(amax, a.pow2);
       col_mult[threadIdx.x] = m;
       const int64_t c = c0 + threadIdx.x;
-      if (c < a.cols) a.scale[c * row_tiles + rb] = fp8_scale(m);
+      if (c < a.cols) a.scale[a.scale_mn_major ? rb * a.cols + c : c * row_tiles + rb] = fp8_scale(m);
     }
     __syncthreads();
 #pragma unroll
@@ -225,7 +222,12 @@ cudaError_t launch_quantize_1x128(const Quantize1x128Args& a, cudaStream_t strea
   const int64_t tiles = a.rows * (a.cols / kFp8Tile);
   if (tiles == 0) return cudaSuccess;
   const int64_t steps = (tiles + k1x128TilesPerStep - 1) / k1x128TilesPerStep;
-  quantize_1x128_kernel<<<grid_of(std::min(steps, k1x128MaxBlocks)), k1x128Threads, 0, stream>>>(a);
+  const int grid = grid_of(std::min(steps, k1x128MaxBlocks));
+  if (a.scale_mn_major) {
+    quantize_1x128_kernel<true><<<grid, k1x128Threads, 0, stream>>>(a);
+  } else {
+    quantize_1x128_kernel<false><<<grid, k1x128Threads, 0, stream>>>(a);
+  }
   return cudaGetLastError();
 }
 
