@@ -1,6 +1,7 @@
-"""Rank side of tests/gpu/test_buffer_gpu.py: ``primemoe.Buffer`` (NVSHMEM bootstrapped over an
-NCCL group) in spawned processes, one per GPU. Each entry point ``fn(rank, world, ...)`` loads
-the inputs the parent wrote and saves what the parent checks; a failing rank fails the spawn."""
+"""Rank side of tests/gpu/test_buffer_gpu.py: ``primemoe.Buffer`` in spawned processes. Each entry point
+``fn(rank, world, ...)`` loads the inputs the parent wrote and saves what the parent checks; a failing rank
+fails the spawn. ``ep_rank`` places the rank (ep_harness.rank_mode): one GPU per rank over an NCCL group where
+there are enough GPUs, else every rank on cuda:0 over a gloo group (NVSHMEM is bootstrapped over either)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,35 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ep_harness import init_rank, rank_problem
+from ep_harness import (EP_MODE_ENV, FULL_SMS_ENV, init_rank, mps_enabled, mps_thread_percentage, rank_mode,
+                        rank_placement, rank_problem)
 from helpers import Outputs, Problem, graph_replays, run_moe
 
 import primemoe
 
 
+@contextmanager
+def _environment(**values):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def spawn_ranks(fn, world, *args, timeout_s=600):
-    """Runs ``fn(rank, world, *args)`` in ``world`` processes; a spawn still running after
-    ``timeout_s`` is a hang: its processes are killed and the test fails."""
-    context = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
+    """Runs ``fn(rank, world, *args)`` in ``world`` processes, placed by ``rank_mode(world)`` (passed to them
+    in PRIMEMOE_TEST_EP_MODE); a spawn still running after ``timeout_s`` is a hang: its processes are killed
+    and the test fails."""
+    mode = rank_mode(world)
+    print(f"spawning {world} rank(s): {mode}{' under MPS' if mps_enabled() else ''}", flush=True)
+    with _environment(**{EP_MODE_ENV: mode}):
+        context = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
@@ -31,19 +51,48 @@ def spawn_ranks(fn, world, *args, timeout_s=600):
             try:
                 context.join()
             except Exception as error:  # the rank's own traceback, when it wrote one before hanging
-                raise AssertionError(f"ranks still running after {timeout_s} s (a hang)") from error
-            raise AssertionError(f"ranks still running after {timeout_s} s (a hang)")
+                raise AssertionError(f"{world} ranks ({mode}) still running after {timeout_s} s (a hang)") from error
+            raise AssertionError(f"{world} ranks ({mode}) still running after {timeout_s} s (a hang)")
 
 
 @contextmanager
-def nccl_rank(rank, world):
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    init_rank("nccl", rank, world, device_id=device)
+def ep_rank(rank, world):
+    """This rank's CUDA device and process group (destroyed on exit); yields the device.
+
+    The mode comes from the parent (PRIMEMOE_TEST_EP_MODE), else from ``rank_mode(world)``. Under MPS
+    (PRIMEMOE_TEST_MPS=1) CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set to this rank's share before CUDA starts
+    here, and with PRIMEMOE_TEST_FULL_SMS (the SM count without MPS) a shared GPU must report fewer SMs."""
+    mode = os.environ.get(EP_MODE_ENV) or rank_mode(world)
+    backend, index, sharing = rank_placement(mode, rank, world)
+    mps = mps_enabled()
+    if mps:
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(mps_thread_percentage(mode, world))
+    torch.cuda.set_device(index)
+    device = torch.device("cuda", index)
+    if backend == "nccl":
+        init_rank(backend, rank, world, device_id=device)
+    else:
+        init_rank(backend, rank, world)
     try:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        share = f", MPS {os.environ['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}%" if mps else ""
+        print(f"rank {rank}/{world}: {mode} ({backend}) on {device}, {sms} SMs{share}", flush=True)
+        full = os.environ.get(FULL_SMS_ENV)
+        if mps and full and sharing > 1:
+            assert sms < int(full), (
+                f"rank {rank}: under MPS at {os.environ['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}% the device reports "
+                f"{sms} SMs, as many as without MPS ({full}): this process is not an MPS client")
         yield device
     finally:
         dist.destroy_process_group()
+
+
+def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over the group; through the host when the group is gloo."""
+    if dist.get_backend() == "gloo":
+        tensor = tensor.cpu()
+    dist.all_reduce(tensor)
+    return tensor
 
 
 def buffer_sizes(problem: Problem, world: int, max_tokens: int) -> dict:
@@ -63,7 +112,7 @@ def _cpu(outputs: Outputs) -> dict:
 def single_rank_lifecycle(rank, world, problem_path, out_dir):
     """Four buffers one after the other on the same problem; the last is left open for atexit."""
     results = {}
-    with nccl_rank(rank, world) as device:
+    with ep_rank(rank, world) as device:
         problem = Problem(**torch.load(problem_path)).to(device)
         sizes = buffer_sizes(problem, world, problem.x.shape[0] + 100)
         for attempt in range(2):
@@ -97,7 +146,7 @@ def dispatch_cases(rank, world, cases_path, out_dir):
     and whether it has the put staging region."""
     data = torch.load(cases_path)
     results = {}
-    with nccl_rank(rank, world) as device, primemoe.Buffer(dist.group.WORLD, **data["sizes"]) as buffer:
+    with ep_rank(rank, world) as device, primemoe.Buffer(dist.group.WORLD, **data["sizes"]) as buffer:
         for name, case in data["cases"].items():
             x, topk_idx, topk_weights = (t.to(device) for t in case["inputs"][rank])
             counts, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
@@ -135,11 +184,12 @@ def _layered(moe, first: Problem, second: Problem):
 
 
 def moe_cases(rank, world, cases_path, out_dir):
-    """Every case through one Buffer, then: a repeat (bitwise), two layers sharing the buffer,
-    and CUDA-graph replay against eager. ``data["precision"]`` (default bf16): the Buffer's and the calls'."""
+    """Every case through one Buffer, then, where ``data`` names them: a repeat (bitwise), two layers sharing
+    the buffer, and CUDA-graph replay against eager. ``data["precision"]`` (default bf16): the Buffer's and the
+    calls'."""
     data = torch.load(cases_path)
     precision = data.get("precision", "bf16")
-    with nccl_rank(rank, world) as device:
+    with ep_rank(rank, world) as device:
         def mine(case):
             return rank_problem(Problem(**case["problem"]), rank, case["tokens_per_rank"], device)
 
@@ -148,12 +198,15 @@ def moe_cases(rank, world, cases_path, out_dir):
             moe = partial(primemoe.moe, buffer=buffer, precision=precision)
             for name, case in data["cases"].items():
                 results[name] = _cpu(run_moe(moe, mine(case)))
-            repeat, layered = data["repeat"], data["layered"]
-            results["repeat"] = _cpu(run_moe(moe, mine(data["cases"][repeat])))
-            results["layered"] = [_cpu(o) for o in _layered(moe, *(mine(data["cases"][n]) for n in layered))]
-            graph = data["graph"]
-            results["graph"] = [(_cpu(replayed), _cpu(eager)) for replayed, eager in
-                                graph_replays(moe, mine(graph["static"]), [mine(c) for c in graph["replays"]])]
+            if data.get("repeat") is not None:
+                results["repeat"] = _cpu(run_moe(moe, mine(data["cases"][data["repeat"]])))
+            if data.get("layered") is not None:
+                layered = data["layered"]
+                results["layered"] = [_cpu(o) for o in _layered(moe, *(mine(data["cases"][n]) for n in layered))]
+            if data.get("graph") is not None:
+                graph = data["graph"]
+                results["graph"] = [(_cpu(replayed), _cpu(eager)) for replayed, eager in
+                                    graph_replays(moe, mine(graph["static"]), [mine(c) for c in graph["replays"]])]
             primemoe.check_errors()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -181,13 +234,12 @@ def _soak_iteration(buffer, gen, device, iteration):
     # Every routed slot of every rank was received exactly once somewhere.
     padded = ((counts.long() + buffer.row_align - 1) // buffer.row_align * buffer.row_align).sum()
     assert offsets[-1] == padded, f"iteration {iteration}: offsets {offsets.tolist()} for counts {counts.tolist()}"
-    sent_received = torch.stack([valid.sum(), counts.sum().long()])
-    dist.all_reduce(sent_received)
+    sent_received = _all_reduce(torch.stack([valid.sum(), counts.sum().long()]))
     assert sent_received[0] == sent_received[1], f"iteration {iteration}: sent {sent_received.tolist()}"
 
 
 def soak(rank, world, sizes, iterations, out_dir):
-    with nccl_rank(rank, world) as device, primemoe.Buffer(dist.group.WORLD, **sizes) as buffer:
+    with ep_rank(rank, world) as device, primemoe.Buffer(dist.group.WORLD, **sizes) as buffer:
         gen = torch.Generator().manual_seed(1000 + rank)
         steady_from = 10
         for iteration in range(iterations):

@@ -1,6 +1,12 @@
-"""Expert parallelism over 2 processes for primemoe.baseline.moe(..., group=...).
+"""Expert parallelism in spawned processes: the NCCL baseline harness (``run_ep_case``), the cases shared with
+the NVSHMEM Buffer tests, and how a rank is placed on the GPUs (``rank_mode``).
 
-The parent draws one global problem (concatenated tokens of all ranks, all E
+Placement (DESIGN.md sections 5, 6): with at least ``world`` GPUs each rank gets its own GPU and the process
+group is NCCL (``GPU_PER_RANK``); with fewer, every rank runs on cuda:0 and the group is gloo (``SAME_GPU``:
+NCCL refuses two ranks on one GPU, NVSHMEM runs several processes per GPU). With ``PRIMEMOE_TEST_MPS=1`` (CUDA
+MPS running, scripts/mps.sh) each rank takes ``100 // ranks_per_gpu`` percent of the SMs.
+
+For primemoe.baseline.moe(..., group=...): the parent draws one global problem (concatenated tokens of all ranks, all E
 experts), each spawned rank runs its tokens against its contiguous slice of
 experts, and the parent compares the stitched results with the single-process
 fp64 reference of the whole problem. A failing rank fails the spawn, hence the test.
@@ -32,6 +38,59 @@ EP_CASES = {
     "one_expert": dict(tokens_per_rank=(200, 50), routing="one_expert"),
     "empty_experts": dict(tokens_per_rank=(100, 100), routing="empty_experts"),
 }
+
+# The same matrix over four ranks (E must divide by 4: 8 experts, 2 per rank), at most ~300 tokens per rank.
+EP4_CASES = {
+    "different_T": dict(tokens_per_rank=(300, 17, 128, 5), routing="uniform"),
+    "different_T_masked": dict(tokens_per_rank=(300, 17, 128, 5), routing="masked"),
+    "skewed": dict(tokens_per_rank=(256, 300, 33, 100), routing="skewed"),
+    "rank0_without_tokens": dict(tokens_per_rank=(0, 64, 100, 31), routing="uniform"),
+    "two_ranks_without_tokens": dict(tokens_per_rank=(64, 0, 200, 0), routing="uniform"),
+    "one_expert": dict(tokens_per_rank=(200, 50, 0, 120), routing="one_expert"),
+    "empty_experts": dict(tokens_per_rank=(100, 100, 100, 100), routing="empty_experts"),
+}
+
+EP_CASES_BY_WORLD = {2: EP_CASES, 4: EP4_CASES}
+
+
+# ---------------------------------------------------------------- placing the ranks on the GPUs
+
+GPU_PER_RANK = "gpu_per_rank"  # rank r on cuda:r, NCCL group
+SAME_GPU = "same_gpu"  # every rank on cuda:0, gloo group
+EP_MODE_ENV = "PRIMEMOE_TEST_EP_MODE"  # set by the parent for its spawned ranks (see buffer_ranks.spawn_ranks)
+MPS_ENV = "PRIMEMOE_TEST_MPS"  # "1": the ranks are MPS clients; each sets its share of the SMs
+FULL_SMS_ENV = "PRIMEMOE_TEST_FULL_SMS"  # the GPU's SM count without MPS (scripts/gpu_run.sh ep): checks the share
+
+
+def rank_mode(world: int, device_count=None) -> str:
+    """``GPU_PER_RANK`` when there are at least ``world`` CUDA devices, else ``SAME_GPU``."""
+    if device_count is None:
+        device_count = torch.cuda.device_count()  # 0 without CUDA
+    return GPU_PER_RANK if device_count >= world else SAME_GPU
+
+
+def rank_placement(mode: str, rank: int, world: int):
+    """``(backend, CUDA device index, ranks sharing that GPU)`` of ``rank`` in ``mode``."""
+    if mode == GPU_PER_RANK:
+        return "nccl", rank, 1
+    if mode == SAME_GPU:
+        return "gloo", 0, world
+    raise ValueError(f"{EP_MODE_ENV}: expected {GPU_PER_RANK!r} or {SAME_GPU!r}, got {mode!r}")
+
+
+def mps_enabled(env=None) -> bool:
+    return (os.environ if env is None else env).get(MPS_ENV) == "1"
+
+
+def mps_thread_percentage(mode: str, world: int) -> int:
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of each rank: an equal share of the GPU it shares."""
+    return 100 // rank_placement(mode, 0, world)[2]
+
+
+def ep_id(world: int, mode=None) -> str:
+    """A test id naming the rank count and placement, e.g. ``ep4_same_gpu`` (``_mps`` under MPS)."""
+    mode = rank_mode(world) if mode is None else mode
+    return f"ep{world}_{mode}" + ("_mps" if mps_enabled() else "")
 
 
 RENDEZVOUS_ENV = "PRIMEMOE_TEST_RENDEZVOUS"
