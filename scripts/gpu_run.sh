@@ -4,12 +4,16 @@
 # tables and plots in $TABLES (default /tmp/primemoe-tables) and the wheel in /tmp/primemoe-wheel: a device call
 # returns only a few files, and those should be the logs and JSONs. docs/development.md has the details.
 #
-#   scripts/gpu_run.sh [smoke|tests|gputests|multigpu|main|bench|stages|ncu|comm|commprof|sanitize|sass ...]
+#   scripts/gpu_run.sh [smoke|tests|gputests|multigpu|ep|main|bench|stages|ncu|comm|commprof|sanitize|sass ...]
 #                      (default: tests main bench)
 #
 # smoke     one small forward+backward (scripts/sanitize_case.py); stops the run if it fails or hangs
 # tests     the whole suite (CPU and GPU tests); gputests: tests/gpu without the multi-GPU tests;
 #           multigpu: only the multi-GPU tests
+# ep        the expert-parallel tests (marker ep, EP = 2 and 4; on one GPU every rank shares it) twice: without
+#           MPS, then under CUDA MPS (scripts/mps.sh; each rank takes 100 // ranks-per-GPU percent of the SMs),
+#           stopping MPS afterwards even on failure. EP_PASSES picks the passes (default "plain mps"), EP_MARK
+#           the tests (default "ep and not slow"), EP_TIMEOUT the seconds each pytest may run (default 270)
 # main      python -m primemoe (the main job)
 # bench     the layer benchmark, EP = 1 and 2 (EP = 2 is reported skipped on one GPU); BENCH_ARGS replaces its
 #           arguments, e.g. BENCH_ARGS="--shapes qwen3-235b-a22b --tokens 8192 --ep 1"
@@ -72,6 +76,38 @@ for step in $STEPS; do
     multigpu) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 | tee "$OUT/pytest-multigpu.log" \
                 | tail -20
               [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    ep) sms() { $PY -c "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)"; }
+        full_sms=$(sms)
+        for pass in ${EP_PASSES:-plain mps}; do
+          case $pass in
+            plain) log=$OUT/pytest-ep.log ;;
+            mps) log=$OUT/pytest-ep-mps.log
+                 scripts/mps.sh start || { echo "ep: MPS did not start: no MPS pass"; status=1; continue; }
+                 trap 'scripts/mps.sh stop' EXIT
+                 trap 'scripts/mps.sh stop; exit 1' INT TERM ;;
+            *) echo "ep: unknown pass $pass (plain or mps)"; status=1; continue ;;
+          esac
+          (
+            if [ "$pass" = mps ]; then
+              eval "$(scripts/mps.sh env)"
+              export PRIMEMOE_TEST_MPS=1 PRIMEMOE_TEST_FULL_SMS="$full_sms" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
+              share=$(sms)
+              echo "ep: under MPS at 50% the GPU reports ${share:-?} of its ${full_sms:-?} SMs"
+              [ -n "$share" ] && [ -n "$full_sms" ] && [ "$share" -lt "$full_sms" ] \
+                || { echo "ep: MPS is not in effect"; exit 1; }
+            fi
+            # timeout signals pytest's whole process group, the spawned ranks too.
+            timeout -k 20 "${EP_TIMEOUT:-270}" $PY -m pytest tests/gpu -q -rs -p no:cacheprovider \
+              -m "${EP_MARK:-ep and not slow}" 2>&1 | tee "$log" | tail -30
+            rc=${PIPESTATUS[0]}
+            case $rc in 124|137) echo "ep: pytest ($pass) still running after ${EP_TIMEOUT:-270} s: killed" ;; esac
+            exit "$rc"
+          ) || status=1
+          if [ "$pass" = mps ]; then
+            scripts/mps.sh stop || status=1
+            trap - EXIT INT TERM
+          fi
+        done ;;
     pytest) $PY -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-tests/gpu} 2>&1 | tee "$OUT/pytest-args.log" | tail -40
             [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     main) $PY -m primemoe 2>&1 | tee "$OUT/main.log" ;;
