@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ep_harness import (EP_MODE_ENV, FULL_SMS_ENV, init_rank, mps_enabled, mps_thread_percentage, rank_mode,
-                        rank_placement, rank_problem)
+from ep_harness import (EP_MODE_ENV, FULL_SMS_ENV, chosen_mode, init_rank, mps_enabled, mps_thread_percentage,
+                        rank_mode, rank_placement, rank_problem)
 from helpers import Outputs, Problem, graph_replays, run_moe
 
 import primemoe
@@ -36,10 +36,10 @@ def _environment(**values):
 
 
 def spawn_ranks(fn, world, *args, timeout_s=600):
-    """Runs ``fn(rank, world, *args)`` in ``world`` processes, placed by ``rank_mode(world)`` (passed to them
+    """Runs ``fn(rank, world, *args)`` in ``world`` processes, placed by ``chosen_mode(world)`` (passed to them
     in PRIMEMOE_TEST_EP_MODE); a spawn still running after ``timeout_s`` is a hang: its processes are killed
     and the test fails."""
-    mode = rank_mode(world)
+    mode = chosen_mode(world)
     print(f"spawning {world} rank(s): {mode}{' under MPS' if mps_enabled() else ''}", flush=True)
     with _environment(**{EP_MODE_ENV: mode}):
         context = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")

@@ -69,6 +69,18 @@ def rank_mode(world: int, device_count=None) -> str:
     return GPU_PER_RANK if device_count >= world else SAME_GPU
 
 
+def chosen_mode(world: int) -> str:
+    """The placement of a spawn of ``world`` ranks: PRIMEMOE_TEST_EP_MODE where set (e.g. ``same_gpu`` to run the
+    shared-GPU mode on a machine with enough GPUs), else ``rank_mode(world)``."""
+    mode = os.environ.get(EP_MODE_ENV)
+    if not mode:
+        return rank_mode(world)
+    rank_placement(mode, 0, world)  # a known mode
+    if mode == GPU_PER_RANK and torch.cuda.device_count() < world:
+        raise ValueError(f"{EP_MODE_ENV}={mode}: {world} ranks need {world} GPUs, found {torch.cuda.device_count()}")
+    return mode
+
+
 def rank_placement(mode: str, rank: int, world: int):
     """``(backend, CUDA device index, ranks sharing that GPU)`` of ``rank`` in ``mode``."""
     if mode == GPU_PER_RANK:
@@ -89,7 +101,7 @@ def mps_thread_percentage(mode: str, world: int) -> int:
 
 def ep_id(world: int, mode=None) -> str:
     """A test id naming the rank count and placement, e.g. ``ep4_same_gpu`` (``_mps`` under MPS)."""
-    mode = rank_mode(world) if mode is None else mode
+    mode = chosen_mode(world) if mode is None else mode
     return f"ep{world}_{mode}" + ("_mps" if mps_enabled() else "")
 
 

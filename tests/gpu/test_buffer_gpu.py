@@ -540,9 +540,26 @@ def test_spawn_ranks_passes_the_mode_to_the_ranks(monkeypatch):
     assert ep_harness.EP_MODE_ENV not in os.environ  # set for the spawn only
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_spawn_ranks_can_be_told_to_share_a_gpu(monkeypatch, gpus):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv(ep_harness.EP_MODE_ENV, SAME_GPU)
+    assert ep_harness.chosen_mode(2) == SAME_GPU and ep_id(2).startswith("ep2_same_gpu")
+    monkeypatch.setenv(ep_harness.EP_MODE_ENV, GPU_PER_RANK)
+    if gpus < 2:
+        with pytest.raises(ValueError, match="2 ranks need 2 GPUs"):
+            ep_harness.chosen_mode(2)
+    else:
+        assert ep_harness.chosen_mode(2) == GPU_PER_RANK
+    monkeypatch.setenv(ep_harness.EP_MODE_ENV, "elsewhere")
+    with pytest.raises(ValueError, match="expected 'gpu_per_rank' or 'same_gpu'"):
+        ep_harness.chosen_mode(2)
+
+
 def test_test_ids_name_the_placement(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv(ep_harness.MPS_ENV, raising=False)
+    monkeypatch.delenv(ep_harness.EP_MODE_ENV, raising=False)
     assert ep_id(1) == "ep1_gpu_per_rank" and ep_id(4) == "ep4_same_gpu"
     monkeypatch.setenv(ep_harness.MPS_ENV, "1")
     assert ep_id(2) == "ep2_same_gpu_mps"
