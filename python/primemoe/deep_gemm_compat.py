@@ -59,21 +59,21 @@ _DW_DTYPES = (torch.bfloat16, torch.float32)
 _num_sms: Optional[int] = None
 
 
-def set_num_sms(num_sms: int) -> None:
+def set_num_sms(n):
     """The SM budget of the Mega MoE kernels (DeepGEMM's ``set_num_sms``; prime-rl sets the device's SMs minus
     those it reserves for other communication). Stored here; ``get_num_sms`` returns it. What reads it: the
     dispatch/combine kernels of each Buffer ``get_symm_buffer_for_mega_moe`` creates afterwards run on
-    ``min(buffer.DEFAULT_NUM_SMS, num_sms)`` SMs. The expert GEMM engine does not read it: its persistent grid
+    ``min(buffer.DEFAULT_NUM_SMS, n)`` SMs. The expert GEMM engine does not read it: its persistent grid
     always spans every SM of the device."""
     global _num_sms
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int):
-        raise TypeError(f"num_sms: expected an int, got {type(num_sms).__name__}")
-    if num_sms < 1:
-        raise ValueError(f"num_sms: expected a positive int, got {num_sms}")
-    _num_sms = num_sms
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"set_num_sms: expected an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"set_num_sms: expected a positive int, got {n}")
+    _num_sms = n
 
 
-def get_num_sms() -> Optional[int]:
+def get_num_sms():
     """The value ``set_num_sms`` stored; before any call, the current CUDA device's SM count (None without
     CUDA)."""
     if _num_sms is not None:
