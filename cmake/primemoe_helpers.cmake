@@ -12,9 +12,13 @@ function(primemoe_has_sm90a out archs)
   set(${out} ${found} PARENT_SCOPE)
 endfunction()
 
-# Runs third_party/locate.py's `expr` with the Python3 interpreter (the active virtual environment first) and
-# stores its one line of output in `out`; a failure stops the configure with locate.py's message and `hint`.
+# Runs third_party/locate.py's `expr` with a Python interpreter and stores its one line of output in `out`; a
+# failure stops the configure with locate.py's message and `hint`. The interpreter: -DPython3_EXECUTABLE=..., else
+# the active virtual environment's, else this checkout's .venv (scripts/setup.sh), else the first python3 found.
 function(primemoe_locate out expr hint)
+  if(NOT Python3_EXECUTABLE AND NOT DEFINED ENV{VIRTUAL_ENV} AND EXISTS ${PROJECT_SOURCE_DIR}/.venv/bin/python)
+    set(Python3_EXECUTABLE ${PROJECT_SOURCE_DIR}/.venv/bin/python CACHE FILEPATH "Python for third_party/locate.py")
+  endif()
   if(NOT Python3_EXECUTABLE)
     find_package(Python3 COMPONENTS Interpreter REQUIRED)
   endif()
@@ -25,7 +29,7 @@ function(primemoe_locate out expr hint)
     ERROR_VARIABLE error ERROR_STRIP_TRAILING_WHITESPACE
     RESULT_VARIABLE status)
   if(NOT status EQUAL 0)
-    message(FATAL_ERROR "primemoe: ${error}\n${hint}")
+    message(FATAL_ERROR "${error}\n${hint}")
   endif()
   set(${out} "${value}" PARENT_SCOPE)
 endfunction()
@@ -57,8 +61,7 @@ endfunction()
 function(primemoe_capi_version out out_major header)
   file(STRINGS ${header} lines REGEX "^#define PRIMEMOE_CAPI_VERSION_(MAJOR|MINOR|PATCH) +[0-9]+")
   foreach(part MAJOR MINOR PATCH)
-    string(REGEX MATCH "PRIMEMOE_CAPI_VERSION_${part} +([0-9]+)" _ "${lines}")
-    if(NOT CMAKE_MATCH_1 MATCHES "^[0-9]+$")
+    if(NOT lines MATCHES "PRIMEMOE_CAPI_VERSION_${part} +([0-9]+)")
       message(FATAL_ERROR "primemoe: no PRIMEMOE_CAPI_VERSION_${part} in ${header}")
     endif()
     set(${part} ${CMAKE_MATCH_1})
