@@ -202,7 +202,8 @@ primemoe_status check_grouped_gemm(const primemoe_grouped_gemm_args* a, const ch
               "in_h / out_dh / out_dot: only for PRIMEMOE_EPILOGUE_SWIGLU_BACKWARD");
   }
   if (epilogue != GemmEpilogue::kSwiGLU) c.require(a->out_h == nullptr, "out_h: only for PRIMEMOE_EPILOGUE_SWIGLU");
-  if (!rows) c.require(a->row_weight == nullptr, "row_weight: not for PRIMEMOE_GEMM_EXPERTS");
+  c.require(a->row_weight == nullptr || (rows && epilogue != GemmEpilogue::kSwiGLU),
+            "row_weight: only for PRIMEMOE_GEMM_ROWS with PRIMEMOE_EPILOGUE_STORE or _SWIGLU_BACKWARD");
   if (rows) c.require(a->expert_rows == nullptr, "expert_rows: only for PRIMEMOE_GEMM_EXPERTS");
   c.require((a->hook_counters == nullptr) == (a->hook_epoch == nullptr),
             "hook_counters / hook_epoch: set both or neither");
@@ -495,6 +496,7 @@ primemoe_status primemoe_combine(const primemoe_combine_args* a, void* stream) {
     c.require(a->top_k >= 1, "top_k: expected >= 1, got %d", a->top_k);
     c.require(a->num_tokens >= 0, "num_tokens: expected >= 0");
     const bool work = a->num_tokens > 0 && a->hidden > 0;
+    c.pointer(a->rows, work, "rows");
     c.pointer(a->slot_to_row, work, "slot_to_row");
     c.pointer(a->y, work, "y");
     c.require(wt == ScaleType::kNone || a->weights != nullptr || !work, "weights: expected a pointer with weight_dtype");
@@ -524,6 +526,8 @@ primemoe_status primemoe_slot_dot(const primemoe_slot_dot_args* a, void* stream)
               a->width);
     c.require(a->num_slots >= 0, "num_slots: expected >= 0");
     const bool work = a->num_slots > 0;
+    c.pointer(a->a, work && a->width > 0, "a");
+    c.pointer(a->b, work && a->width > 0, "b");
     c.pointer(a->slot_to_row, work, "slot_to_row");
     c.pointer(a->out, work, "out");
     c.aligned(a->a, "a");
