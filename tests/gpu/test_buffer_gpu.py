@@ -48,6 +48,25 @@ def run_ranks(tmp_path, monkeypatch, fn, world, *args, timeout_s=SPAWN_TIMEOUT_S
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+# Results of each spawn, by key: pytest sets a module-scoped fixture up again for every test of a multi-name
+# parametrize (and orders items differently across versions), so the fixtures spawn through ``once``.
+_SPAWNED = {}
+
+
+def once(key, spawn):
+    """``spawn()`` the first time ``key`` is asked for; afterwards its result, or its exception again (a failed
+    or hung spawn is not repeated for every test that reads it)."""
+    if key not in _SPAWNED:
+        try:
+            _SPAWNED[key] = (spawn(), None)
+        except Exception as error:  # noqa: BLE001 (re-raised to every reader)
+            _SPAWNED[key] = (None, error)
+    value, error = _SPAWNED[key]
+    if error is not None:
+        raise error
+    return value
+
+
 def stitch(per_rank) -> Outputs:
     """Tokens in rank order, experts in rank order: the layout of the single-process problem."""
     return Outputs(**{name: torch.cat([r[name] for r in per_rank]) for name in OUTPUT_NAMES})
@@ -173,7 +192,10 @@ DISPATCH_RUNS = [(2, 1, "auto"), (2, 128, "auto"), (2, 128, "put"), (4, 128, "au
 @pytest.fixture(scope="module", params=DISPATCH_RUNS,
                 ids=[f"{ep_id(w)}-row_align{a}{'_put' if t == 'put' else ''}" for w, a, t in DISPATCH_RUNS])
 def dispatch_results(tmp_path_factory, request):
-    world, row_align, transport = request.param
+    return once(("dispatch", *request.param), lambda: run_dispatch_cases(tmp_path_factory, *request.param))
+
+
+def run_dispatch_cases(tmp_path_factory, world, row_align, transport):
     tmp_path = tmp_path_factory.mktemp("ep_dispatch")
     cases_path = tmp_path / "cases.pt"
     sizes = dict(DISPATCH_SIZES, row_align=row_align)
@@ -286,8 +308,11 @@ def moe_problem(tokens_per_rank, routing, seed, **kwargs):
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory, request):
     """``moe_cases`` at EP = world over one transport (``request.param``: a key of MOE_RUNS): ``(data, per_rank)``."""
-    world, transport = request.param
-    run = MOE_RUNS[request.param]
+    return once(("moe", *request.param), lambda: run_moe_cases(tmp_path_factory, *request.param))
+
+
+def run_moe_cases(tmp_path_factory, world, transport):
+    run = MOE_RUNS[(world, transport)]
     tmp_path = tmp_path_factory.mktemp(f"ep{world}_moe_{transport}")
     cases = {name: moe_problem(seed=13 + i, **case) for i, (name, case) in enumerate(MOE_CASES[world].items())
              if name in run["names"]}
@@ -372,7 +397,10 @@ FP8_RUNS = [(world, precision) for world in WORLDS for precision in FP8_PRECISIO
 def fp8_run(tmp_path_factory, request):
     """``moe_cases`` with an FP8 Buffer (``request.param``: (world, precision)): the cases and a repeat of the
     first. ``(data, per_rank)``."""
-    world, precision = request.param
+    return once(("fp8", *request.param), lambda: run_fp8_cases(tmp_path_factory, *request.param))
+
+
+def run_fp8_cases(tmp_path_factory, world, precision):
     tmp_path = tmp_path_factory.mktemp(f"ep{world}_{precision}")
     cases = {name: moe_problem(tokens, routing, seed=40 + i)
              for i, (name, (tokens, routing)) in enumerate(FP8_CASES[world].items())}
