@@ -44,8 +44,21 @@
 #define PRIMEMOE_CAPI
 #endif
 
-/* struct_size set, every other field zero. */
-#define PRIMEMOE_ARGS_INIT(type) {(uint32_t)sizeof(type)}
+/* An argument struct with struct_size set and every other field zero (no -Wmissing-field-initializers warning:
+ * a designated initializer in C, a value-initialised object in C++). */
+#ifdef __cplusplus
+namespace primemoe_capi_detail {
+template <typename T>
+inline T args_init() {
+  T args{};
+  args.struct_size = static_cast<uint32_t>(sizeof(T));
+  return args;
+}
+}  /* namespace primemoe_capi_detail */
+#define PRIMEMOE_ARGS_INIT(type) (::primemoe_capi_detail::args_init<type>())
+#else
+#define PRIMEMOE_ARGS_INIT(type) {.struct_size = (uint32_t)sizeof(type)}
+#endif
 
 /* Sizes of the kernels' contracts (equal to the C++ constants; the library checks that at compile time). */
 #define PRIMEMOE_GEMM_ROW_ALIGN 64          /* expert row alignment of the bf16 grouped GEMM's layout */
