@@ -70,7 +70,7 @@ for step in $STEPS; do
            [ "${PIPESTATUS[0]}" = 0 ] || { echo "smoke case failed: stopping"; exit 1; } ;;
     tests) $PY -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
            [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
-    gputests) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m "not multigpu" 2>&1 | tee "$OUT/pytest.log" \
+    gputests) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m "not multigpu and not slow" 2>&1 | tee "$OUT/pytest.log" \
                 | tail -40
               [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     multigpu) $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m multigpu 2>&1 | tee "$OUT/pytest-multigpu.log" \

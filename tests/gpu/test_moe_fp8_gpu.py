@@ -364,7 +364,7 @@ def test_fp8_with_a_buffer_on_one_rank(tmp_path, monkeypatch, precision):
     run_buffer_cases(tmp_path, monkeypatch, precision, world=1)
 
 
-@pytest.mark.multigpu
+@pytest.mark.ep  # two ranks: one GPU each where there are two, else both on cuda:0 over gloo (tests/ep_harness.py)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_fp8_with_a_buffer_on_two_ranks(tmp_path, monkeypatch, precision):
     run_buffer_cases(tmp_path, monkeypatch, precision, world=2)
