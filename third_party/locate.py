@@ -76,3 +76,21 @@ def cuda_library_includes():
             if (inc / "cusparse.h").exists():
                 out.append(str(inc))
     return out
+
+
+def nvshmem_distribution():
+    """(distribution name, version) of the installed NVSHMEM pip package whose headers and device library the build
+    links (nvidia-nvshmem-cu13 or -cu12): the wheel pins exactly that version, since the device library in the
+    kernels must equal the host library loaded at run time."""
+    from importlib import metadata
+
+    root = nvshmem_root()
+    for name in ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"):
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        files = {str(f) for f in (dist.files or ())}
+        if any(f.startswith("nvidia/nvshmem/") for f in files) and (root / "include" / "nvshmem.h").exists():
+            return name, dist.version
+    _fail("NVSHMEM headers found but no nvidia-nvshmem-cu13/-cu12 distribution owns them: install it with pip")

@@ -8,20 +8,19 @@ See DESIGN.md section 1 for the exact computation and README.md for usage.
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
-
 import torch
 
-from . import ops  # noqa: F401  (registers the torch.ops.primemoe kernels)
-from . import baseline, ep, layer, nn, reference
+from . import _runtime
+
+_runtime.check()  # before the extension loads: a CUDA-major or NVSHMEM mismatch is a clear ImportError
+
+from . import ops  # noqa: E402, F401  (registers the torch.ops.primemoe kernels)
+from . import baseline, ep, layer, nn, reference  # noqa: E402
 from .buffer import Buffer
 from .layer import moe
 from .routing import route
 
-try:
-    __version__ = _metadata.version("primemoe")
-except _metadata.PackageNotFoundError:  # running from a source tree
-    __version__ = "0.1.0+source"
+__version__ = _runtime.version()
 
 __all__ = ["moe", "route", "Buffer", "check_errors", "DeviceError", "reference", "baseline", "nn"]
 
