@@ -23,7 +23,7 @@ build() {  # build SRC NAME: wheel of SRC installed into /tmp/site-NAME
   local start=$(date +%s)
   (cd "$1" && PYTHONPATH=/tmp/cutlass-site PRIMEMOE_BUILD_JOBS=$(nproc) $PY -m pip wheel -q --no-build-isolation \
      --no-deps --no-index -w "/tmp/wheel-$2" .) > "$OUT/build-$2.log" 2>&1 || { tail -40 "$OUT/build-$2.log"; exit 1; }
-  $PY -m pip install -q --no-index --no-deps --target "/tmp/site-$2" /tmp/wheel-$2/primemoe-*.whl || exit 1
+  $PY -m pip install -q --no-index --no-deps --target "/tmp/site-$2" /tmp/wheel-$2/primemoe*.whl || exit 1
   echo "build $2: $(( $(date +%s) - start )) s"
 }
 build "$BASE" base

@@ -52,7 +52,7 @@ if [ "${REUSE_BUILD:-0}" = 1 ] && [ "$(cat /tmp/primemoe-built-sources 2>/dev/nu
 else
   PRIMEMOE_BUILD_JOBS=$(nproc) $PY -m pip wheel -q --no-build-isolation --no-deps --no-index -w "$WHEEL_DIR" . \
     > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-  $PY -m pip install -q --no-index --no-deps --force-reinstall "$WHEEL_DIR"/primemoe-*.whl >> "$OUT/build.log" 2>&1 \
+  $PY -m pip install -q --no-index --no-deps --force-reinstall "$WHEEL_DIR"/primemoe*.whl >> "$OUT/build.log" 2>&1 \
     || exit 1
   echo "$src_hash" > /tmp/primemoe-built-sources
   echo "build+install: $(( $(date +%s) - start )) s; wheel: $(ls "$WHEEL_DIR")"
