@@ -107,14 +107,15 @@ TORCH_LIBRARY(primemoe, m) {
   // ---------------------------------------------------------------- FP8 expert GEMMs (fp8_gemm_ops.cpp)
   // Blockwise-scaled e4m3 GEMMs, fp32 accumulation promoted per 128-deep K block. Rows: a [R, K] e4m3 with
   // a_scale [K/128, R] (1x128 tiles, MN-major), b [E, N, K] e4m3 with b_scale [E, N/128, K/128] (128x128 blocks):
-  // out[r] = row_weight[r] * (a[r] x b[e(r)]^T), bf16 (or fp32) [R, N]; expert_offsets multiples of 128; rows at or
-  // past expert_offsets[-1] unwritten.
+  // out[r] = row_weight[r] * (a[r] x b[e(r)]^T), bf16 (or fp32) [R, N]; rows at or past expert_offsets[-1]
+  // unwritten (the layer's offsets are multiples of 128; any others work, their partial blocks slower).
   m.def(
       "fp8_expert_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor expert_offsets, "
       "Tensor? row_weight=None, bool out_fp32=False) -> Tensor");
   // Weight gradients: a_t [M, R] e4m3 with a_scale [R/128, M], b_t [N, R] with b_scale [R/128, N] (128x1 tiles
   // along the rows, transposed, MN-major scales): out[e] = sum over expert e's rows r of a[r]^T b[r], [E, M, N]
-  // fp32 (or bf16); expert_rows: routed rows per expert (the 128-row tiles past them are skipped: zeros).
+  // fp32 (or bf16); expert_offsets multiples of 128 (the scales' row blocks); expert_rows: routed rows per expert
+  // (the 128-row tiles past them are skipped: zeros).
   m.def(
       "fp8_expert_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, Tensor expert_offsets, "
       "Tensor? expert_rows=None, bool out_fp32=True) -> Tensor");

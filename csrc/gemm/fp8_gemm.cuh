@@ -9,8 +9,10 @@
 //            a_t [m, num_rows], b_t [n, num_rows] (128x1 tiles along the rows, transposed; scales MN-major)
 //
 // Both operands K-major (what e4m3 wgmma reads). Tiles are 128 x 128, k-blocks 128 deep; kRows walks each expert's
-// rows in 128-row blocks (rows past an expert's end are computed but not stored), kExperts each expert's rows in
-// 128-row k-blocks from its first row (expert_offsets multiples of 128), up to its routed rows (expert_rows).
+// rows in 128-row blocks from its first row, any offsets (rows past an expert's end are computed but not stored;
+// with offsets multiples of 128, as the layer's, every block is whole and leaves by TMA stores), kExperts each
+// expert's rows in 128-row k-blocks from its first row (offsets must be multiples of 128: the scales' row blocks),
+// up to its routed rows (expert_rows).
 // Deterministic: every output element is one CTA's, in a fixed k order.
 #pragma once
 

@@ -297,10 +297,12 @@ __device__ __forceinline__ void fp8_consumers(const Fp8Params& p, Fp8Smem& smem)
       out_row0 = int64_t(tile.expert) * args.m + tile.m0 + my_row;
       rows_left = kFp8TileM;
     }
-    if (!args.out_fp32) {
+    // Whether all of the warpgroup's 64 rows are its expert's (always, with the layer's offsets, multiples of 128;
+    // the rows past an expert whose end is not on a tile are another's and must not be stored).
+    const bool whole_rows = S == Fp8Schedule::kExperts || int64_t(tile.m0) + wg * 64 + 64 <= tile.row_end;
+    if (!args.out_fp32 && whole_rows) {
       // The warpgroup's 64 rows into its two staging boxes (once the previous tile's stores have read them), then one
-      // thread's TMA stores, which clip rows past the tensor; the expert's rows end on a tile (offsets multiples of
-      // 128), so every other row stored is one of its own (padding rows: zeros).
+      // thread's TMA stores, which clip rows past the tensor.
       const uint32_t slots = smem_addr(smem.staging[wg]);
       if (wtid == 0) store_wait_read();
       named_barrier<128>(wg + 1);
@@ -322,14 +324,19 @@ __device__ __forceinline__ void fp8_consumers(const Fp8Params& p, Fp8Smem& smem)
       }
       continue;
     }
-    // fp32: pairs of adjacent columns straight from registers.
+    // fp32, or an expert's partial last rows: pairs of adjacent columns straight from registers.
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
       const int h = (i >> 1) & 1;
       if (8 * h >= rows_left) continue;
       const int64_t at = (out_row0 + 8 * h) * args.n + tile.n0 + frag_col + 8 * (i >> 2);
-      *reinterpret_cast<float2*>(static_cast<float*>(args.out) + at) =
-          make_float2(acc(i) * row_weight[h], acc(i + 1) * row_weight[h]);
+      const float v0 = acc(i) * row_weight[h];
+      const float v1 = acc(i + 1) * row_weight[h];
+      if (args.out_fp32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(args.out) + at) = make_float2(v0, v1);
+      } else {
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(args.out) + at) = __floats2bfloat162_rn(v0, v1);
+      }
     }
   }
   // The staging boxes must outlive the TMA stores that read them.
