@@ -25,6 +25,10 @@ locate.set_cuda_home()
 from torch.utils.cpp_extension import BuildExtension, CUDAExtension  # noqa: E402
 
 VERSION = "0.1.0"
+# The oldest torch the extension loads into: its stable ABI (major << 56 | minor << 48), here 2.10.
+TORCH_TARGET_VERSION = "0x020A000000000000ULL"
+# The oldest CPython the wheel is for (abi3): the module init uses the limited API only.
+PY_LIMITED_API = "cp310"
 
 
 def cuda_archs():
@@ -56,11 +60,17 @@ def extension(archs):
     return CUDAExtension(
         name="primemoe._C",
         sources=sources,
+        # Python's limited API (3.10, see PY_LIMITED_API) and torch's stable ABI (TORCH_TARGET_VERSION below): one
+        # wheel for every CPython >= 3.10 and every torch >= 2.10 (csrc/binding/common.h).
+        py_limited_api=True,
         # Relink when the separately compiled engine (see compile_engine) changes.
         depends=[str(p) for p in engine_sources()] + [str(p) for p in (ROOT / "csrc").rglob("*.cuh")],
         include_dirs=includes,
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++20", "-DNDEBUG", *late_includes],
+            # TORCH_TARGET_VERSION: only the stable ABI of torch 2.10 and older is visible to the binding;
+            # USE_CUDA: the stable C shim declares its CUDA entry points (the current stream) only then.
+            "cxx": ["-O3", "-std=c++20", "-DNDEBUG", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DUSE_CUDA",
+                    *late_includes],
             # -DNDEBUG also keeps ptxas from serialising wgmma in CUTLASS code.
             # -rdc: the NVSHMEM device library is linked in at the device-link step.
             "nvcc": ["-O3", "-std=c++20", "-DNDEBUG", "-lineinfo", "--expt-relaxed-constexpr", "-rdc=true", *gencode,
@@ -132,4 +142,5 @@ setup(
     package_dir={"": "python"},
     ext_modules=[extension(ARCHS)],
     cmdclass={"build_ext": Build},
+    options={"bdist_wheel": {"py_limited_api": PY_LIMITED_API}},
 )
