@@ -69,8 +69,9 @@ def extension(archs):
         extra_compile_args={
             # TORCH_TARGET_VERSION: only the stable ABI of torch 2.10 and older is visible to the binding;
             # USE_CUDA: the stable C shim declares its CUDA entry points (the current stream) only then.
+            # Hidden visibility, as torch's stable namespace has: the library exports PyInit__C alone.
             "cxx": ["-O3", "-std=c++20", "-DNDEBUG", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DUSE_CUDA",
-                    *late_includes],
+                    "-fvisibility=hidden", *late_includes],
             # -DNDEBUG also keeps ptxas from serialising wgmma in CUTLASS code.
             # -rdc: the NVSHMEM device library is linked in at the device-link step.
             "nvcc": ["-O3", "-std=c++20", "-DNDEBUG", "-lineinfo", "--expt-relaxed-constexpr", "-rdc=true", *gencode,

@@ -137,7 +137,7 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
 
 // Importing primemoe._C loads this library, whose static initialisers register the ops: the module itself is empty
 // (limited API only: PyModule_Create is PyModule_Create2 with the stable ABI's version there).
-extern "C" PyObject* PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module);
 }
