@@ -134,6 +134,15 @@ class Build(BuildExtension):
             ext.extra_objects = [*ext.extra_objects, *objects]
         super().build_extensions()
 
+    def copy_extensions_to_source(self):
+        super().copy_extensions_to_source()
+        # A version-specific _C.cpython-*.so left by an earlier (non-abi3) build would shadow _C.abi3.so on import.
+        keep = {Path(self.get_ext_filename(ext.name)).name for ext in self.extensions}
+        for stale in (ROOT / "python" / "primemoe").glob("_C.*.so"):
+            if stale.name not in keep:
+                print(f"primemoe: removing {stale.relative_to(ROOT)} (it would shadow the abi3 module)", flush=True)
+                stale.unlink()
+
 
 ARCHS = cuda_archs()
 
