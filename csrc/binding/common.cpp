@@ -1,19 +1,57 @@
 #include "common.h"
 
-#include <torch/library.h>
-
+#include <array>
+#include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <stdexcept>
 
 #include "kernels/device_wait.cuh"
 
 namespace primemoe {
 
-std::string piece(at::IntArrayRef a) {
+std::string piece(IntArrayRef a) {
   std::string out = "[";
   for (size_t i = 0; i < a.size(); ++i) out += (i ? ", " : "") + std::to_string(a[i]);
   return out + "]";
+}
+
+void fail(const std::string& msg) { throw std::runtime_error(msg); }
+
+// ---------------------------------------------------------------- tensors and devices
+
+#ifndef USE_CUDA
+#error "setup.py defines USE_CUDA: the stable C shim declares aoti_torch_get_current_cuda_stream only then"
+#endif
+
+cudaStream_t current_stream(const Tensor& t) {
+  void* stream = nullptr;
+  const AOTITorchError err = aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream);
+  PRIMEMOE_CHECK(err == AOTI_TORCH_SUCCESS, "primemoe: could not get the current CUDA stream of device ",
+                 t.get_device_index());
+  return static_cast<cudaStream_t>(stream);
+}
+
+int sm_count(int device) {
+  // Cached per device, as torch caches its device properties (the count does not change in a process).
+  static std::array<std::atomic<int>, 256> cache{};
+  const bool cached = device >= 0 && device < static_cast<int>(cache.size());
+  if (cached) {
+    if (const int n = cache[device].load(std::memory_order_relaxed); n > 0) return n;
+  }
+  int n = 0;
+  check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  if (cached) cache[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+Tensor empty_like_device(const Tensor& t, IntArrayRef sizes, std::optional<ScalarType> dtype) {
+  return torch::stable::new_empty(t, sizes, dtype);
+}
+
+Tensor zeros_like_device(const Tensor& t, IntArrayRef sizes, std::optional<ScalarType> dtype) {
+  return torch::stable::new_zeros(t, sizes, dtype);
 }
 
 std::string describe_error(const ErrorRecord& rec) {
@@ -44,8 +82,8 @@ void raise_pending_error(int device) {
   if (take_error(device, &rec)) PRIMEMOE_CHECK(false, describe_error(rec));
 }
 
-ErrorRecord* error_record_for(const at::Tensor& t) {
-  ErrorRecord* rec = device_error_record(t.get_device());
+ErrorRecord* error_record_for(const Tensor& t) {
+  ErrorRecord* rec = device_error_record(t.get_device_index());
   PRIMEMOE_CHECK(rec != nullptr, "primemoe: could not allocate the host-mapped error record");
   return rec;
 }
@@ -63,34 +101,35 @@ uint64_t wait_timeout_ns() {
 }
 
 // A view starting at an element offset that is not a multiple of 8 would fault (misaligned address) instead.
-void check_aligned(const at::Tensor& t, const char* name) {
+void check_aligned(const Tensor& t, const char* name) {
   const auto misaligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16;
   PRIMEMOE_CHECK(!t.is_cuda() || misaligned == 0, name, ": expected 16-byte aligned data on CUDA, got a view ",
                  misaligned, " bytes past a boundary (pass a copy)");
 }
 
-void check_rows(const at::Tensor& t, const char* name) {
+void check_rows(const Tensor& t, const char* name) {
   PRIMEMOE_CHECK(t.dim() == 2, name, ": expected a 2-D tensor [rows, H], got ", t.sizes());
-  PRIMEMOE_CHECK(t.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", t.scalar_type());
+  PRIMEMOE_CHECK(t.scalar_type() == ScalarType::BFloat16, name, ": expected bfloat16, got ", t.scalar_type());
   PRIMEMOE_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
   check_aligned(t, name);
 }
 
-void check_index(const at::Tensor& t, const char* name, int64_t dims) {
+void check_index(const Tensor& t, const char* name, int64_t dims) {
   PRIMEMOE_CHECK(t.dim() == dims, name, ": expected a ", dims, "-D tensor, got ", t.sizes());
-  PRIMEMOE_CHECK(t.scalar_type() == at::kInt, name, ": expected int32, got ", t.scalar_type());
+  PRIMEMOE_CHECK(t.scalar_type() == ScalarType::Int, name, ": expected int32, got ", t.scalar_type());
   PRIMEMOE_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
-void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name) {
+void check_same_device(const Tensor& a, const Tensor& b, const char* name) {
   PRIMEMOE_CHECK(a.device() == b.device(), name, ": expected it on the same device as the rows");
 }
 
-ScaleType scale_type_of(const std::optional<at::Tensor>& s, const char* name) {
+ScaleType scale_type_of(const std::optional<Tensor>& s, const char* name) {
   if (!s.has_value()) return ScaleType::kNone;
   PRIMEMOE_CHECK(s->is_contiguous(), name, ": expected a contiguous tensor");
-  if (s->scalar_type() == at::kFloat) return ScaleType::kFloat32;
-  PRIMEMOE_CHECK(s->scalar_type() == at::kBFloat16, name, ": expected float32 or bfloat16, got ", s->scalar_type());
+  if (s->scalar_type() == ScalarType::Float) return ScaleType::kFloat32;
+  PRIMEMOE_CHECK(s->scalar_type() == ScalarType::BFloat16, name, ": expected float32 or bfloat16, got ",
+                 s->scalar_type());
   return ScaleType::kBFloat16;
 }
 
@@ -109,21 +148,20 @@ std::map<std::string, RegisteredCheck>& arg_checks() {
   return checks;
 }
 
-void check_args_op(const std::string& op, const c10::List<std::optional<at::Tensor>>& tensors,
-                   at::IntArrayRef ints) {
+void check_args_op(const std::string& op, const std::vector<std::optional<Tensor>>& tensors,
+                   const std::vector<int64_t>& ints) {
   const auto found = arg_checks().find(op);
   PRIMEMOE_CHECK(found != arg_checks().end(), "_check_args: no argument check for op '", op, "'");
   const RegisteredCheck& c = found->second;
   PRIMEMOE_CHECK(tensors.size() == c.tensors && ints.size() == c.ints, "_check_args: ", op, " takes ", c.tensors,
                  " tensors and ", c.ints, " ints, got ", tensors.size(), " and ", ints.size());
-  OpArgs args{{}, std::vector<int64_t>(ints.begin(), ints.end()), found->first.c_str()};
-  for (size_t i = 0; i < tensors.size(); ++i) args.tensors.push_back(tensors.get(i));
+  const OpArgs args{tensors, ints, found->first.c_str()};
   c.check(args);
 }
 
 }  // namespace
 
-const at::Tensor& OpArgs::tensor(size_t i) const {
+const Tensor& OpArgs::tensor(size_t i) const {
   PRIMEMOE_CHECK(tensors[i].has_value(), "_check_args: ", op, "'s tensor argument ", i, " is required");
   return *tensors[i];
 }
@@ -132,6 +170,8 @@ ArgCheckRegistration::ArgCheckRegistration(const char* op, size_t tensors, size_
   arg_checks()[op] = {tensors, ints, check};
 }
 
-TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) { m.impl("_check_args", &check_args_op); }
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
+  m.impl("_check_args", TORCH_BOX(&check_args_op));
+}
 
 }  // namespace primemoe

@@ -1,10 +1,18 @@
 // What the binding's areas share: error messages (PRIMEMOE_CHECK), the argument checks of
 // more than one area, the device error record, and the routing layout ep_dispatch reuses.
 // The only torch-facing layer: below it, kernels and launchers take raw pointers and a stream.
+//
+// Every file of the binding uses PyTorch's stable ABI only (torch/csrc/stable, torch/headeronly, the C shims), built
+// with TORCH_TARGET_VERSION = 2.10 (setup.py): one build loads into every torch >= 2.10. Never include ATen, c10 or
+// torch/library.h here: their symbols tie the library to the exact torch it was built against.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <cuda_runtime.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <cstdint>
 #include <optional>
@@ -18,23 +26,51 @@
 
 namespace primemoe {
 
-// Messages are assembled with std::to_string: streaming an integer into TORCH_CHECK's
-// ostringstream from this library crashed the process on the H200 image (torch 2.11).
+using Tensor = torch::stable::Tensor;
+using ScalarType = torch::headeronly::ScalarType;
+using IntArrayRef = torch::headeronly::IntHeaderOnlyArrayRef;
+using DeviceGuard = torch::stable::accelerator::DeviceGuard;
+
+// Messages are assembled with std::to_string: streaming an integer into an ostringstream (TORCH_CHECK's, then
+// STD_TORCH_CHECK's) from this library crashed the process on the H200 image (torch 2.11).
 inline std::string piece(const std::string& s) { return s; }
 inline std::string piece(const char* s) { return s; }
-inline std::string piece(at::ScalarType t) { return c10::toString(t); }
+inline std::string piece(ScalarType t) { return torch::headeronly::toString(t); }
 template <typename T>
   requires std::is_integral_v<T>
 std::string piece(T v) {
   return std::to_string(v);
 }
-std::string piece(at::IntArrayRef a);
+std::string piece(IntArrayRef a);
 template <typename... Args>
 std::string message(const Args&... args) {
   return (std::string() + ... + piece(args));
 }
 
-#define PRIMEMOE_CHECK(cond, ...) TORCH_CHECK(cond, ::primemoe::message(__VA_ARGS__))
+// Raises `msg` as a RuntimeError in Python (the stable ABI carries std::exception across; c10::Error is not stable).
+[[noreturn]] void fail(const std::string& msg);
+
+#define PRIMEMOE_CHECK(cond, ...)                                    \
+  do {                                                               \
+    if (!(cond)) ::primemoe::fail(::primemoe::message(__VA_ARGS__)); \
+  } while (0)
+
+// ---------------------------------------------------------------- tensors and devices
+
+// t's data as T*: the caller has checked t's dtype (the checks below).
+template <typename T>
+T* data_of(const Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+inline bool same_shape(IntArrayRef a, IntArrayRef b) { return a.equals(b); }
+// The current CUDA stream of t's device (torch's, as c10::cuda::getCurrentCUDAStream(device) gives it).
+cudaStream_t current_stream(const Tensor& t);
+// The multiprocessor count of `device` (cudaDevAttrMultiProcessorCount, as torch's device properties report it).
+int sm_count(int device);
+// A new uninitialised tensor of `sizes` on t's device, of t's dtype or `dtype`.
+Tensor empty_like_device(const Tensor& t, IntArrayRef sizes, std::optional<ScalarType> dtype = std::nullopt);
+// The same, filled with zeros.
+Tensor zeros_like_device(const Tensor& t, IntArrayRef sizes, std::optional<ScalarType> dtype = std::nullopt);
 
 // ---------------------------------------------------------------- device errors
 
@@ -42,7 +78,7 @@ std::string describe_error(const ErrorRecord& rec);
 // Raises the pending error of `device`, if any (dispatch_layout calls it, see layout_ops.cpp).
 void raise_pending_error(int device);
 // The host-mapped error record of t's device.
-ErrorRecord* error_record_for(const at::Tensor& t);
+ErrorRecord* error_record_for(const Tensor& t);
 void check_cuda(cudaError_t err, const char* what);
 // Device indices past int are no device (cast, one could name device 0).
 bool is_device_index(int64_t device);
@@ -52,26 +88,26 @@ uint64_t wait_timeout_ns();
 // ---------------------------------------------------------------- argument checks
 
 // 16-byte aligned data on CUDA: the kernels move rows in 16-byte vectors and TMA boxes.
-void check_aligned(const at::Tensor& t, const char* name);
+void check_aligned(const Tensor& t, const char* name);
 // A contiguous, aligned bf16 [rows, H].
-void check_rows(const at::Tensor& t, const char* name);
+void check_rows(const Tensor& t, const char* name);
 // A contiguous int32 tensor of `dims` dimensions.
-void check_index(const at::Tensor& t, const char* name, int64_t dims);
-void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name);
+void check_index(const Tensor& t, const char* name, int64_t dims);
+void check_same_device(const Tensor& a, const Tensor& b, const char* name);
 // kNone without a tensor, else its float32 / bfloat16 type (contiguous).
-ScaleType scale_type_of(const std::optional<at::Tensor>& s, const char* name);
+ScaleType scale_type_of(const std::optional<Tensor>& s, const char* name);
 
 // ---------------------------------------------------------------- _check_args: the checks of Python's CPU kernels
 
 // An op's arguments as its CPU kernel (python/primemoe/_cpu.py) hands them to _check_args: its tensor arguments, then
 // its int and bool arguments, each in schema order.
 struct OpArgs {
-  std::vector<std::optional<at::Tensor>> tensors;
+  std::vector<std::optional<Tensor>> tensors;
   std::vector<int64_t> ints;
   const char* op;
 
-  const at::Tensor& tensor(size_t i) const;  // a required tensor
-  const std::optional<at::Tensor>& optional(size_t i) const { return tensors[i]; }
+  const Tensor& tensor(size_t i) const;  // a required tensor
+  const std::optional<Tensor>& optional(size_t i) const { return tensors[i]; }
   int64_t integer(size_t i) const { return ints[i]; }
 };
 using ArgCheck = void (*)(const OpArgs& args);
@@ -84,11 +120,11 @@ struct ArgCheckRegistration {
 
 // ---------------------------------------------------------------- the routing layout
 
-using LayoutResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using LayoutResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
 // dispatch_layout on the current stream of topk_idx's device; slot_valid: [num_slots] bool that the
 // kernel fills with slot_to_row >= 0, or null. Raises a pending device error first.
-LayoutResult launch_layout(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
+LayoutResult launch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
                            int64_t row_align, bool* slot_valid);
 
 }  // namespace primemoe

@@ -1,8 +1,5 @@
 // The expert-parallel runtime: NVSHMEM bootstrap, the symmetric workspace (its layout from
 // runtime/ep_workspace.cuh), ep_dispatch and ep_combine.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <string>
 
@@ -15,20 +12,21 @@
 namespace primemoe {
 namespace {
 
-at::Tensor nvshmem_unique_id_op() {
-  auto id = at::empty({static_cast<int64_t>(nvshmem_unique_id_size())}, at::TensorOptions().dtype(at::kByte));
+Tensor nvshmem_unique_id_op() {
+  auto id = torch::stable::empty({static_cast<int64_t>(nvshmem_unique_id_size())}, ScalarType::Byte, std::nullopt,
+                                 torch::stable::Device(torch::headeronly::DeviceType::CPU));
   PRIMEMOE_CHECK(nvshmem_make_unique_id(id.data_ptr()) == 0, "nvshmem: could not create a unique id");
   return id;
 }
 
-void nvshmem_init_op(const at::Tensor& unique_id, int64_t rank, int64_t world) {
-  PRIMEMOE_CHECK(unique_id.scalar_type() == at::kByte && unique_id.is_cpu() &&
+void nvshmem_init_op(const Tensor& unique_id, int64_t rank, int64_t world) {
+  PRIMEMOE_CHECK(unique_id.scalar_type() == ScalarType::Byte && unique_id.is_cpu() &&
                      unique_id.numel() == static_cast<int64_t>(nvshmem_unique_id_size()),
                  "unique_id: expected the uint8 CPU tensor made by _nvshmem_unique_id");
   PRIMEMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "rank: expected 0 <= rank < world, got rank ", rank,
                  " of ", world);
   PRIMEMOE_CHECK(!nvshmem_is_initialized(), "nvshmem: already initialised in this process");
-  const auto contiguous = unique_id.contiguous();
+  const auto contiguous = torch::stable::contiguous(unique_id);
   const int status = nvshmem_bootstrap(contiguous.data_ptr(), static_cast<int>(rank), static_cast<int>(world));
   PRIMEMOE_CHECK(status == 0, "nvshmem: initialisation failed with status ", status, " on rank ", rank, " of ", world,
                  " (NVSHMEM_DEBUG=INFO shows why; without InfiniBand set NVSHMEM_REMOTE_TRANSPORT=none)");
@@ -77,7 +75,7 @@ std::string ep_workspace_layout_op(int64_t world, int64_t max_tokens, int64_t hi
   return out + "total " + std::to_string(ep_total_bytes(regions)) + "\n";
 }
 
-at::Tensor ep_workspace_alloc_op(int64_t nbytes) {
+Tensor ep_workspace_alloc_op(int64_t nbytes) {
   PRIMEMOE_CHECK(nvshmem_is_initialized(), "nvshmem: call _nvshmem_init before allocating the workspace");
   PRIMEMOE_CHECK(nbytes > 0, "nbytes: expected > 0");
   void* ptr = nvshmem_alloc_symmetric(static_cast<size_t>(nbytes));
@@ -88,10 +86,11 @@ at::Tensor ep_workspace_alloc_op(int64_t nbytes) {
   check_cuda(cudaMemset(ptr, 0, static_cast<size_t>(nbytes)), "cudaMemset");
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   // The Buffer frees it collectively through _ep_workspace_free; the tensor never owns it.
-  return at::from_blob(ptr, {nbytes}, [](void*) {}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+  const torch::stable::Device cuda(torch::headeronly::DeviceType::CUDA, device);
+  return torch::stable::from_blob(ptr, {nbytes}, {1}, cuda, ScalarType::Byte);
 }
 
-void ep_workspace_free_op(const at::Tensor& workspace) {
+void ep_workspace_free_op(const Tensor& workspace) {
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   nvshmem_free_symmetric(workspace.data_ptr());
 }
@@ -102,8 +101,8 @@ EpScratch ep_scratch(uint8_t* ws, const EpLayout& l, const EpConfig& c) {
   return {base, base + pairs, base + 2 * pairs, base + 3 * pairs};
 }
 
-void check_workspace(const at::Tensor& ws, const at::Tensor& epoch, const EpConfig& c, const EpLayout& l) {
-  PRIMEMOE_CHECK(ws.is_cuda() && ws.scalar_type() == at::kByte && ws.numel() >= static_cast<int64_t>(l.total),
+void check_workspace(const Tensor& ws, const Tensor& epoch, const EpConfig& c, const EpLayout& l) {
+  PRIMEMOE_CHECK(ws.is_cuda() && ws.scalar_type() == ScalarType::Byte && ws.numel() >= static_cast<int64_t>(l.total),
                  "workspace: expected the Buffer's uint8 CUDA workspace of at least ", static_cast<int64_t>(l.total),
                  " bytes");
   PRIMEMOE_CHECK(nvshmem_is_initialized(), "nvshmem: not initialised (the workspace comes from a primemoe.Buffer)");
@@ -111,17 +110,15 @@ void check_workspace(const at::Tensor& ws, const at::Tensor& epoch, const EpConf
   PRIMEMOE_CHECK(c.put_peers || nvshmem_all_peers_mapped(ws.data_ptr()),
                  "workspace: not NVSHMEM symmetric memory, or some peer is not reachable by load/store and "
                  "put_peers is false");
-  PRIMEMOE_CHECK(epoch.is_cuda() && epoch.scalar_type() == at::kLong && epoch.numel() == 1,
+  PRIMEMOE_CHECK(epoch.is_cuda() && epoch.scalar_type() == ScalarType::Long && epoch.numel() == 1,
                  "epoch: expected a 1-element int64 CUDA tensor");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& workspace, at::Tensor& epoch,
-                                                                 const at::Tensor& x, const at::Tensor& topk_idx,
-                                                                 const at::Tensor& topk_weights, int64_t rank,
-                                                                 int64_t world, int64_t max_tokens,
-                                                                 int64_t local_experts, int64_t row_align,
-                                                                 int64_t num_sms, bool wait_arrivals, bool put_peers,
-                                                                 bool force_put) {
+std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& epoch, const Tensor& x,
+                                                    const Tensor& topk_idx, const Tensor& topk_weights, int64_t rank,
+                                                    int64_t world, int64_t max_tokens, int64_t local_experts,
+                                                    int64_t row_align, int64_t num_sms, bool wait_arrivals,
+                                                    bool put_peers, bool force_put) {
   check_rows(x, "x");
   const EpConfig c = ep_config(rank, world, max_tokens, x.size(1), topk_idx.size(1), local_experts, row_align,
                                put_peers, force_put);
@@ -132,42 +129,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ep_dispatch_cuda(at::Tensor& work
   PRIMEMOE_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights: expected the shape of topk_idx");
   PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
   const int64_t experts = world * local_experts;
-  auto slot_valid = at::empty(topk_idx.sizes(), topk_idx.options().dtype(at::kBool));
+  auto slot_valid = empty_like_device(topk_idx, topk_idx.sizes(), ScalarType::Bool);
   auto [send_counts, send_offsets, slot_to_row, row_to_slot] =
-      launch_layout(topk_idx, experts, 0, experts, 1, slot_valid.data_ptr<bool>());
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto opts = x.options().dtype(at::kInt);
-  auto expert_counts = at::empty({local_experts}, opts);
-  auto expert_offsets = at::empty({local_experts + 1}, opts);
+      launch_layout(topk_idx, experts, 0, experts, 1, data_of<bool>(slot_valid));
+  const DeviceGuard guard(x.get_device_index());
+  auto expert_counts = empty_like_device(x, {local_experts}, ScalarType::Int);
+  auto expert_offsets = empty_like_device(x, {local_experts + 1}, ScalarType::Int);
   EpDispatchArgs a{};
   a.cfg = c;
   a.layout = l;
-  a.workspace = workspace.data_ptr<uint8_t>();
-  a.epoch = epoch.data_ptr<int64_t>();
+  a.workspace = data_of<uint8_t>(workspace);
+  a.epoch = data_of<int64_t>(epoch);
   a.x = x.data_ptr();
   a.topk_idx = topk_idx.data_ptr();
-  a.idx_is_int64 = topk_idx.scalar_type() == at::kLong;
+  a.idx_is_int64 = topk_idx.scalar_type() == ScalarType::Long;
   a.topk_weights = topk_weights.data_ptr();
   a.weight_type = scale_type_of(topk_weights, "topk_weights");
   a.num_tokens = x.size(0);
-  a.send_counts = send_counts.data_ptr<int32_t>();
-  a.send_offsets = send_offsets.data_ptr<int32_t>();
-  a.send_row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.send_counts = data_of<int32_t>(send_counts);
+  a.send_offsets = data_of<int32_t>(send_offsets);
+  a.send_row_to_slot = data_of<int32_t>(row_to_slot);
   a.scratch = ep_scratch(a.workspace, l, c);
-  a.expert_counts = expert_counts.data_ptr<int32_t>();
-  a.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  a.expert_counts = data_of<int32_t>(expert_counts);
+  a.expert_offsets = data_of<int32_t>(expert_offsets);
   a.num_blocks = static_cast<int32_t>(num_sms);
   a.wait_arrivals = wait_arrivals;
   a.timeout_ns = wait_timeout_ns();
   a.error = error_record_for(x);
-  check_cuda(launch_ep_dispatch(a, c10::cuda::getCurrentCUDAStream()), "ep_dispatch");
+  check_cuda(launch_ep_dispatch(a, current_stream(x)), "ep_dispatch");
   return {expert_counts, expert_offsets, slot_valid};
 }
 
-void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor& rows,
-                     const std::optional<at::Tensor>& row_scalars, const at::Tensor& expert_offsets, int64_t rank,
-                     int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k, int64_t local_experts,
-                     int64_t row_align, int64_t num_sms, bool put_peers, bool force_put) {
+void ep_combine_cuda(Tensor& workspace, Tensor& epoch, const Tensor& rows, const std::optional<Tensor>& row_scalars,
+                     const Tensor& expert_offsets, int64_t rank, int64_t world, int64_t max_tokens, int64_t hidden,
+                     int64_t top_k, int64_t local_experts, int64_t row_align, int64_t num_sms, bool put_peers,
+                     bool force_put) {
   const EpConfig c = ep_config(rank, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers,
                                force_put);
   const EpLayout l = ep_layout(c);
@@ -179,43 +175,43 @@ void ep_combine_cuda(at::Tensor& workspace, at::Tensor& epoch, const at::Tensor&
   PRIMEMOE_CHECK(expert_offsets.numel() == local_experts + 1, "expert_offsets: expected ", local_experts + 1,
                  " entries");
   if (row_scalars.has_value()) {
-    PRIMEMOE_CHECK(row_scalars->scalar_type() == at::kFloat && row_scalars->is_contiguous() &&
+    PRIMEMOE_CHECK(row_scalars->scalar_type() == ScalarType::Float && row_scalars->is_contiguous() &&
                        row_scalars->numel() >= c.max_recv_rows(),
                    "row_scalars: expected a contiguous float32 tensor with one value per receive row");
   }
   PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
-  const c10::cuda::CUDAGuard guard(rows.device());
+  const DeviceGuard guard(rows.get_device_index());
   EpCombineArgs a{};
   a.cfg = c;
   a.layout = l;
-  a.workspace = workspace.data_ptr<uint8_t>();
-  a.epoch = epoch.data_ptr<int64_t>();
+  a.workspace = data_of<uint8_t>(workspace);
+  a.epoch = data_of<int64_t>(epoch);
   a.rows = rows.data_ptr();
-  a.row_scalars = row_scalars.has_value() ? row_scalars->data_ptr<float>() : nullptr;
-  a.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  a.row_scalars = row_scalars.has_value() ? data_of<float>(*row_scalars) : nullptr;
+  a.expert_offsets = data_of<int32_t>(expert_offsets);
   a.scratch = ep_scratch(a.workspace, l, c);
   a.num_blocks = static_cast<int32_t>(num_sms);
   a.timeout_ns = wait_timeout_ns();
   a.error = error_record_for(rows);
-  check_cuda(launch_ep_combine(a, c10::cuda::getCurrentCUDAStream()), "ep_combine");
+  check_cuda(launch_ep_combine(a, current_stream(rows)), "ep_combine");
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
-  m.impl("ep_dispatch", &ep_dispatch_cuda);
-  m.impl("ep_combine", &ep_combine_cuda);
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
+  m.impl("ep_dispatch", TORCH_BOX(&ep_dispatch_cuda));
+  m.impl("ep_combine", TORCH_BOX(&ep_combine_cuda));
 }
 
 // Host-side ops (no kernel of their own): registered for every backend.
-TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
-  m.impl("_nvshmem_unique_id", &nvshmem_unique_id_op);
-  m.impl("_nvshmem_init", &nvshmem_init_op);
-  m.impl("_nvshmem_finalize", &nvshmem_finalize_op);
-  m.impl("_nvshmem_peers_need_put", &nvshmem_peers_need_put_op);
-  m.impl("_ep_workspace_layout", &ep_workspace_layout_op);
-  m.impl("_ep_workspace_alloc", &ep_workspace_alloc_op);
-  m.impl("_ep_workspace_free", &ep_workspace_free_op);
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
+  m.impl("_nvshmem_unique_id", TORCH_BOX(&nvshmem_unique_id_op));
+  m.impl("_nvshmem_init", TORCH_BOX(&nvshmem_init_op));
+  m.impl("_nvshmem_finalize", TORCH_BOX(&nvshmem_finalize_op));
+  m.impl("_nvshmem_peers_need_put", TORCH_BOX(&nvshmem_peers_need_put_op));
+  m.impl("_ep_workspace_layout", TORCH_BOX(&ep_workspace_layout_op));
+  m.impl("_ep_workspace_alloc", TORCH_BOX(&ep_workspace_alloc_op));
+  m.impl("_ep_workspace_free", TORCH_BOX(&ep_workspace_free_op));
 }
 
 }  // namespace primemoe

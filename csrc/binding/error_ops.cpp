@@ -1,5 +1,4 @@
 // The device error record read from Python (primemoe.check_errors): _take_error and _describe_error.
-#include <torch/library.h>
 
 #include <vector>
 
@@ -28,9 +27,9 @@ std::string describe_error_op(const std::vector<int64_t>& record) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
-  m.impl("_take_error", &take_error_op);
-  m.impl("_describe_error", &describe_error_op);
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
+  m.impl("_take_error", TORCH_BOX(&take_error_op));
+  m.impl("_describe_error", TORCH_BOX(&describe_error_op));
 }
 
 }  // namespace primemoe

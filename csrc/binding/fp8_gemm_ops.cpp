@@ -1,10 +1,6 @@
 // The blockwise FP8 expert GEMMs: fp8_expert_gemm (FC1, FC2, both dgrads) and fp8_expert_wgrad (both weight
 // gradients). Each CUDA impl is checks, then Fp8GemmArgs, then the launcher (gemm/fp8_gemm.cuh). The CPU kernels
 // are python/primemoe/_fp8_ops.py.
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
@@ -14,21 +10,21 @@
 namespace primemoe {
 namespace {
 
-void check_fp8(const at::Tensor& t, const char* name, int64_t dims) {
+void check_fp8(const Tensor& t, const char* name, int64_t dims) {
   PRIMEMOE_CHECK(t.dim() == dims, name, ": expected a ", dims, "-D tensor, got ", t.sizes());
-  PRIMEMOE_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, name, ": expected float8_e4m3fn, got ", t.scalar_type());
+  PRIMEMOE_CHECK(t.scalar_type() == ScalarType::Float8_e4m3fn, name, ": expected float8_e4m3fn, got ", t.scalar_type());
   PRIMEMOE_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
   check_aligned(t, name);
 }
 
-void check_scale(const at::Tensor& s, const char* name, at::IntArrayRef shape, const at::Tensor& like) {
-  PRIMEMOE_CHECK(s.scalar_type() == at::kFloat, name, ": expected float32, got ", s.scalar_type());
+void check_scale(const Tensor& s, const char* name, IntArrayRef shape, const Tensor& like) {
+  PRIMEMOE_CHECK(s.scalar_type() == ScalarType::Float, name, ": expected float32, got ", s.scalar_type());
   PRIMEMOE_CHECK(s.is_contiguous(), name, ": expected a contiguous tensor");
   PRIMEMOE_CHECK(s.sizes() == shape, name, ": expected shape ", shape, ", got ", s.sizes());
   check_same_device(s, like, name);
 }
 
-void check_fp8_offsets(const at::Tensor& offsets, const at::Tensor& like, int64_t num_experts) {
+void check_fp8_offsets(const Tensor& offsets, const Tensor& like, int64_t num_experts) {
   check_index(offsets, "expert_offsets", 1);
   PRIMEMOE_CHECK(num_experts < 0 || offsets.numel() == num_experts + 1, "expert_offsets: expected ", num_experts + 1,
                  " entries (one per expert + 1), got ", offsets.numel());
@@ -37,8 +33,8 @@ void check_fp8_offsets(const at::Tensor& offsets, const at::Tensor& like, int64_
 }
 
 // a [R, K] with a_scale [K/128, R]; b [E, N, K] with b_scale [E, N/128, K/128]; row_weight [R] fp32.
-void check_fp8_gemm_args(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
-                         const at::Tensor& offsets, const std::optional<at::Tensor>& row_weight) {
+void check_fp8_gemm_args(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
+                         const Tensor& offsets, const std::optional<Tensor>& row_weight) {
   check_fp8(a, "a", 2);
   check_fp8(b, "b", 3);
   check_same_device(b, a, "b");
@@ -55,17 +51,16 @@ void check_fp8_gemm_args(const at::Tensor& a, const at::Tensor& a_scale, const a
   check_scale(b_scale, "b_scale", {E, N / kFp8TileN, K / kFp8TileK}, a);
   check_fp8_offsets(offsets, a, E);
   if (row_weight.has_value()) {
-    PRIMEMOE_CHECK(row_weight->dim() == 1 && row_weight->numel() == R && row_weight->scalar_type() == at::kFloat &&
-                       row_weight->is_contiguous(),
+    PRIMEMOE_CHECK(row_weight->dim() == 1 && row_weight->numel() == R &&
+                       row_weight->scalar_type() == ScalarType::Float && row_weight->is_contiguous(),
                    "row_weight: expected a contiguous float32 vector of ", R, " entries");
     check_same_device(*row_weight, a, "row_weight");
   }
 }
 
 // a_t [M, R] with a_scale [R/128, M]; b_t [N, R] with b_scale [R/128, N]; expert_rows [E] int32.
-void check_fp8_wgrad_args(const at::Tensor& a_t, const at::Tensor& a_scale, const at::Tensor& b_t,
-                          const at::Tensor& b_scale, const at::Tensor& offsets,
-                          const std::optional<at::Tensor>& expert_rows) {
+void check_fp8_wgrad_args(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t, const Tensor& b_scale,
+                          const Tensor& offsets, const std::optional<Tensor>& expert_rows) {
   check_fp8(a_t, "a_t", 2);
   check_fp8(b_t, "b_t", 2);
   check_same_device(b_t, a_t, "b_t");
@@ -87,61 +82,59 @@ void check_fp8_wgrad_args(const at::Tensor& a_t, const at::Tensor& a_scale, cons
   check_same_device(*expert_rows, a_t, "expert_rows");
 }
 
-void run_fp8_gemm(const Fp8GemmArgs& g, const at::Tensor& like, const char* what) {
+void run_fp8_gemm(const Fp8GemmArgs& g, const Tensor& like, const char* what) {
   const char* why = "";
-  PRIMEMOE_CHECK(fp8_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
-  check_cuda(launch_fp8_gemm(g, c10::cuda::getCurrentCUDAStream()), what);
+  PRIMEMOE_CHECK(fp8_gemm_supported(g, like.get_device_index(), &why), "primemoe: ", what, ": ", why);
+  check_cuda(launch_fp8_gemm(g, current_stream(like)), what);
 }
 
-at::Tensor fp8_expert_gemm_cuda(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
-                                const at::Tensor& b_scale, const at::Tensor& offsets,
-                                const std::optional<at::Tensor>& row_weight, bool out_fp32) {
+Tensor fp8_expert_gemm_cuda(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
+                            const Tensor& offsets, const std::optional<Tensor>& row_weight, bool out_fp32) {
   check_fp8_gemm_args(a, a_scale, b, b_scale, offsets, row_weight);
-  const c10::cuda::CUDAGuard guard(a.device());
-  auto out = at::empty({a.size(0), b.size(1)}, a.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  const DeviceGuard guard(a.get_device_index());
+  auto out = empty_like_device(a, {a.size(0), b.size(1)}, out_fp32 ? ScalarType::Float : ScalarType::BFloat16);
   if (a.size(0) == 0) return out;
   Fp8GemmArgs g{};
   g.schedule = Fp8Schedule::kRows;
   g.a = a.data_ptr();
-  g.a_scale = a_scale.data_ptr<float>();
+  g.a_scale = data_of<float>(a_scale);
   g.b = b.data_ptr();
-  g.b_scale = b_scale.data_ptr<float>();
+  g.b_scale = data_of<float>(b_scale);
   g.num_rows = a.size(0);
   g.n = static_cast<int32_t>(b.size(1));
   g.k = static_cast<int32_t>(a.size(1));
   g.num_experts = static_cast<int32_t>(b.size(0));
-  g.expert_offsets = offsets.data_ptr<int32_t>();
-  g.row_weight = row_weight.has_value() ? row_weight->data_ptr<float>() : nullptr;
+  g.expert_offsets = data_of<int32_t>(offsets);
+  g.row_weight = row_weight.has_value() ? data_of<float>(*row_weight) : nullptr;
   g.out = out.data_ptr();
   g.out_fp32 = out_fp32;
-  g.num_sms = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
+  g.num_sms = sm_count(a.get_device_index());
   run_fp8_gemm(g, a, "fp8_expert_gemm");
   return out;
 }
 
-at::Tensor fp8_expert_wgrad_cuda(const at::Tensor& a_t, const at::Tensor& a_scale, const at::Tensor& b_t,
-                                 const at::Tensor& b_scale, const at::Tensor& offsets,
-                                 const std::optional<at::Tensor>& expert_rows, bool out_fp32) {
+Tensor fp8_expert_wgrad_cuda(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t, const Tensor& b_scale,
+                             const Tensor& offsets, const std::optional<Tensor>& expert_rows, bool out_fp32) {
   check_fp8_wgrad_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows);
-  const c10::cuda::CUDAGuard guard(a_t.device());
+  const DeviceGuard guard(a_t.get_device_index());
   const int64_t E = offsets.numel() - 1;
-  auto out = at::empty({E, a_t.size(0), b_t.size(0)}, a_t.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
-  if (a_t.size(1) == 0) return out.zero_();
+  auto out = empty_like_device(a_t, {E, a_t.size(0), b_t.size(0)}, out_fp32 ? ScalarType::Float : ScalarType::BFloat16);
+  if (a_t.size(1) == 0) return torch::stable::zero_(out);
   Fp8GemmArgs g{};
   g.schedule = Fp8Schedule::kExperts;
   g.a = a_t.data_ptr();
-  g.a_scale = a_scale.data_ptr<float>();
+  g.a_scale = data_of<float>(a_scale);
   g.b = b_t.data_ptr();
-  g.b_scale = b_scale.data_ptr<float>();
+  g.b_scale = data_of<float>(b_scale);
   g.num_rows = a_t.size(1);
   g.m = static_cast<int32_t>(a_t.size(0));
   g.n = static_cast<int32_t>(b_t.size(0));
   g.num_experts = static_cast<int32_t>(E);
-  g.expert_offsets = offsets.data_ptr<int32_t>();
-  g.expert_rows = expert_rows.has_value() ? expert_rows->data_ptr<int32_t>() : nullptr;
+  g.expert_offsets = data_of<int32_t>(offsets);
+  g.expert_rows = expert_rows.has_value() ? data_of<int32_t>(*expert_rows) : nullptr;
   g.out = out.data_ptr();
   g.out_fp32 = out_fp32;
-  g.num_sms = at::cuda::getDeviceProperties(a_t.get_device())->multiProcessorCount;
+  g.num_sms = sm_count(a_t.get_device_index());
   run_fp8_gemm(g, a_t, "fp8_expert_wgrad");
   return out;
 }
@@ -156,9 +149,9 @@ const ArgCheckRegistration fp8_wgrad_check("fp8_expert_wgrad", 6, 1, [](const Op
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
-  m.impl("fp8_expert_gemm", &fp8_expert_gemm_cuda);
-  m.impl("fp8_expert_wgrad", &fp8_expert_wgrad_cuda);
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
+  m.impl("fp8_expert_gemm", TORCH_BOX(&fp8_expert_gemm_cuda));
+  m.impl("fp8_expert_wgrad", TORCH_BOX(&fp8_expert_wgrad_cuda));
 }
 
 }  // namespace primemoe

@@ -1,10 +1,6 @@
 // The expert GEMMs over the routing layout: expert_gemm, fc1_swiglu, fc2_dgrad_swiglu, expert_wgrad,
 // expert_gemm_unsupported, and the test-only _gemm_force_config. Each CUDA impl is checks, then
 // GroupedGemmArgs, then the engine's launcher (gemm/grouped_gemm.cuh).
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 #include <string>
@@ -17,24 +13,24 @@
 namespace primemoe {
 namespace {
 
-void check_offsets(const at::Tensor& offsets, const at::Tensor& like, int64_t num_experts) {
+void check_offsets(const Tensor& offsets, const Tensor& like, int64_t num_experts) {
   check_index(offsets, "expert_offsets", 1);
   PRIMEMOE_CHECK(offsets.numel() == num_experts + 1, "expert_offsets: expected ", num_experts + 1,
                  " entries (one per expert + 1), got ", offsets.numel());
   PRIMEMOE_CHECK(offsets.device() == like.device(), "expert_offsets: expected it on the operands' device");
 }
 
-void check_weights3(const at::Tensor& w, const char* name) {
+void check_weights3(const Tensor& w, const char* name) {
   PRIMEMOE_CHECK(w.dim() == 3, name, ": expected a 3-D tensor [E, out, in], got ", w.sizes());
-  PRIMEMOE_CHECK(w.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", w.scalar_type());
+  PRIMEMOE_CHECK(w.scalar_type() == ScalarType::BFloat16, name, ": expected bfloat16, got ", w.scalar_type());
   PRIMEMOE_CHECK(w.is_contiguous(), name, ": expected a contiguous tensor");
   check_aligned(w, name);
 }
 
 // zero_unrouted (kRows): output rows past the routed ones are written as zeros, else left unwritten.
-GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at::Tensor& a, const at::Tensor& b,
-                          bool b_k_major, int64_t m, int64_t n, int64_t k, const at::Tensor& offsets,
-                          const at::Tensor& out, bool zero_unrouted) {
+GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const Tensor& a, const Tensor& b,
+                          bool b_k_major, int64_t m, int64_t n, int64_t k, const Tensor& offsets, const Tensor& out,
+                          bool zero_unrouted) {
   GroupedGemmArgs g{};
   g.schedule = schedule;
   g.epilogue = epilogue;
@@ -47,9 +43,9 @@ GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const at
   g.n = static_cast<int32_t>(n);
   g.k = static_cast<int32_t>(k);
   g.num_experts = static_cast<int32_t>(offsets.numel() - 1);
-  g.expert_offsets = offsets.data_ptr<int32_t>();
+  g.expert_offsets = data_of<int32_t>(offsets);
   g.out = out.data_ptr();
-  g.num_sms = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
+  g.num_sms = sm_count(a.get_device_index());
   return g;
 }
 
@@ -70,24 +66,24 @@ void gemm_force_config_op(int64_t claim_tiles, int64_t merge_tails) {
   forced_config = config;
 }
 
-void run_gemm(const GroupedGemmArgs& g, const at::Tensor& like, const char* what) {
+void run_gemm(const GroupedGemmArgs& g, const Tensor& like, const char* what) {
   const char* why = "";
-  PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device(), &why), "primemoe: ", what, ": ", why);
+  PRIMEMOE_CHECK(grouped_gemm_supported(g, like.get_device_index(), &why), "primemoe: ", what, ": ", why);
   const GemmConfig config = forced_config.has_value() ? *forced_config : choose_gemm_config(g);
   PRIMEMOE_CHECK(gemm_config_built(g, config), "primemoe: ", what, ": no kernel is built for GemmConfig{claim_tiles=",
                  int(config.claim_tiles), ", merge_tails=", int(config.merge_tails), "} (",
                  forced_config.has_value() ? "forced by _gemm_force_config" : "chosen by choose_gemm_config", ")");
   GroupedGemmArgs args = g;
-  at::Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
+  Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
   if (config.claim_tiles) {
-    counter = at::zeros({1}, like.options().dtype(at::kInt));
-    args.tile_counter = counter.data_ptr<int32_t>();
+    counter = zeros_like_device(like, {1}, ScalarType::Int);
+    args.tile_counter = data_of<int32_t>(counter);
   }
-  check_cuda(launch_grouped_gemm(args, config, c10::cuda::getCurrentCUDAStream()), what);
+  check_cuda(launch_grouped_gemm(args, config, current_stream(like)), what);
 }
 
 // rows [R, K] x w[e] for each expert's rows: w is [E, N, K] (w_kn = false) or [E, K, N].
-void check_row_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn) {
+void check_row_gemm_args(const Tensor& rows, const Tensor& w, const Tensor& offsets, bool w_kn) {
   check_rows(rows, "rows");
   check_weights3(w, "w");
   check_same_device(w, rows, "w");
@@ -96,45 +92,45 @@ void check_row_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::
   PRIMEMOE_CHECK(rows.size(1) == k, "rows: expected ", k, " columns (w's reduction size), got ", rows.size(1));
 }
 
-void check_row_weight(const std::optional<at::Tensor>& row_weight, const at::Tensor& rows) {
+void check_row_weight(const std::optional<Tensor>& row_weight, const Tensor& rows) {
   if (!row_weight.has_value()) return;
   PRIMEMOE_CHECK(row_weight->dim() == 1 && row_weight->numel() == rows.size(0) &&
-                     row_weight->scalar_type() == at::kFloat && row_weight->is_contiguous(),
+                     row_weight->scalar_type() == ScalarType::Float && row_weight->is_contiguous(),
                  "row_weight: expected a contiguous float32 vector of ", rows.size(0), " entries");
   check_same_device(*row_weight, rows, "row_weight");
 }
 
-void check_expert_gemm_args(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
-                            const std::optional<at::Tensor>& row_weight) {
+void check_expert_gemm_args(const Tensor& rows, const Tensor& w, const Tensor& offsets, bool w_kn,
+                            const std::optional<Tensor>& row_weight) {
   check_row_gemm_args(rows, w, offsets, w_kn);
   check_row_weight(row_weight, rows);
 }
 
-at::Tensor expert_gemm_cuda(const at::Tensor& rows, const at::Tensor& w, const at::Tensor& offsets, bool w_kn,
-                            const std::optional<at::Tensor>& row_weight, bool zero_unrouted) {
+Tensor expert_gemm_cuda(const Tensor& rows, const Tensor& w, const Tensor& offsets, bool w_kn,
+                        const std::optional<Tensor>& row_weight, bool zero_unrouted) {
   check_expert_gemm_args(rows, w, offsets, w_kn, row_weight);
-  const c10::cuda::CUDAGuard guard(rows.device());
+  const DeviceGuard guard(rows.get_device_index());
   const int64_t n = w_kn ? w.size(2) : w.size(1);
-  auto out = at::empty({rows.size(0), n}, rows.options());
+  auto out = empty_like_device(rows, {rows.size(0), n});
   if (rows.size(0) == 0) return out;
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kStore, rows, w, !w_kn, 0, n, rows.size(1), offsets, out,
                      zero_unrouted);
-  g.row_weight = row_weight.has_value() ? row_weight->data_ptr<float>() : nullptr;
+  g.row_weight = row_weight.has_value() ? data_of<float>(*row_weight) : nullptr;
   run_gemm(g, rows, "expert_gemm");
   return out;
 }
 
 // The optional wait hook: before loading expert e's rows, the GEMM's producer waits until
 // rows_ready[e] >= epoch[0] * per_epoch (the EP workspace's arrival counters).
-void check_rows_ready(const std::optional<at::Tensor>& rows_ready, const std::optional<at::Tensor>& epoch,
-                      const at::Tensor& w1, int64_t per_epoch) {
+void check_rows_ready(const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch, const Tensor& w1,
+                      int64_t per_epoch) {
   if (!rows_ready.has_value()) {
     PRIMEMOE_CHECK(!epoch.has_value(), "epoch: only meaningful together with rows_ready");
     return;
   }
   PRIMEMOE_CHECK(epoch.has_value(), "epoch: required with rows_ready");
   for (const auto& [t, name] : {std::pair{*rows_ready, "rows_ready"}, std::pair{*epoch, "epoch"}}) {
-    PRIMEMOE_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), name,
+    PRIMEMOE_CHECK(t.scalar_type() == ScalarType::Long && t.dim() == 1 && t.is_contiguous(), name,
                    ": expected a contiguous int64 vector");
     PRIMEMOE_CHECK(t.device() == w1.device(), name, ": expected it on the operands' device");
   }
@@ -144,31 +140,28 @@ void check_rows_ready(const std::optional<at::Tensor>& rows_ready, const std::op
   PRIMEMOE_CHECK(per_epoch >= 1, "per_epoch: expected >= 1, got ", per_epoch);
 }
 
-void check_fc1_args(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& offsets,
-                    const std::optional<at::Tensor>& rows_ready, const std::optional<at::Tensor>& epoch,
-                    int64_t per_epoch) {
+void check_fc1_args(const Tensor& rows, const Tensor& w1, const Tensor& offsets,
+                    const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch, int64_t per_epoch) {
   check_row_gemm_args(rows, w1, offsets, false);
   PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
   check_rows_ready(rows_ready, epoch, w1, per_epoch);
 }
 
-std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const at::Tensor& w1,
-                                                   const at::Tensor& offsets, bool keep_fc1,
-                                                   const std::optional<at::Tensor>& rows_ready,
-                                                   const std::optional<at::Tensor>& epoch, int64_t per_epoch,
-                                                   int64_t rank, bool zero_unrouted) {
+std::tuple<Tensor, Tensor> fc1_swiglu_cuda(const Tensor& rows, const Tensor& w1, const Tensor& offsets, bool keep_fc1,
+                                           const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch,
+                                           int64_t per_epoch, int64_t rank, bool zero_unrouted) {
   check_fc1_args(rows, w1, offsets, rows_ready, epoch, per_epoch);
-  const c10::cuda::CUDAGuard guard(rows.device());
+  const DeviceGuard guard(rows.get_device_index());
   const int64_t inter = w1.size(1) / 2;
-  auto a = at::empty({rows.size(0), inter}, rows.options());
-  auto h = at::empty({keep_fc1 ? rows.size(0) : 0, 2 * inter}, rows.options());
+  auto a = empty_like_device(rows, {rows.size(0), inter});
+  auto h = empty_like_device(rows, {keep_fc1 ? rows.size(0) : 0, 2 * inter});
   if (rows.size(0) == 0) return {a, h};
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, rows, w1, true, 0, inter, rows.size(1), offsets, a,
                      zero_unrouted);
   g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
   if (rows_ready.has_value()) {
-    g.hook.counters = reinterpret_cast<const uint64_t*>(rows_ready->data_ptr<int64_t>());
-    g.hook.epoch = epoch->data_ptr<int64_t>();
+    g.hook.counters = reinterpret_cast<const uint64_t*>(data_of<int64_t>(*rows_ready));
+    g.hook.epoch = data_of<int64_t>(*epoch);
     g.hook.per_epoch = static_cast<uint64_t>(per_epoch);
     g.hook.rank = static_cast<int32_t>(rank);
     g.hook.timeout_ns = wait_timeout_ns();
@@ -178,8 +171,8 @@ std::tuple<at::Tensor, at::Tensor> fc1_swiglu_cuda(const at::Tensor& rows, const
   return {a, h};
 }
 
-void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const at::Tensor& h,
-                          const at::Tensor& row_weight, const at::Tensor& offsets) {
+void check_fc2_dgrad_args(const Tensor& dy_rows, const Tensor& w2, const Tensor& h, const Tensor& row_weight,
+                          const Tensor& offsets) {
   check_row_gemm_args(dy_rows, w2, offsets, true);
   check_rows(h, "h");
   check_same_device(h, dy_rows, "h");
@@ -193,23 +186,23 @@ void check_fc2_dgrad_args(const at::Tensor& dy_rows, const at::Tensor& w2, const
 
 // dh = d[gate | up] of silu(gate) * up times the row weight, aw = weight * a (FC2's wgrad operand),
 // dot[:, p] = <da, a> over activation columns [256 p, 256 p + 256) (summed into d_topk_weights).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
-                                                                      const at::Tensor& h, const at::Tensor& row_weight,
-                                                                      const at::Tensor& offsets, bool zero_unrouted) {
+std::tuple<Tensor, Tensor, Tensor> fc2_dgrad_swiglu_cuda(const Tensor& dy_rows, const Tensor& w2, const Tensor& h,
+                                                         const Tensor& row_weight, const Tensor& offsets,
+                                                         bool zero_unrouted) {
   check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
-  const c10::cuda::CUDAGuard guard(dy_rows.device());
+  const DeviceGuard guard(dy_rows.get_device_index());
   const int64_t rows = dy_rows.size(0);
   const int64_t inter = w2.size(2);
-  auto dh = at::empty({rows, 2 * inter}, dy_rows.options());
-  auto aw = at::empty({rows, inter}, dy_rows.options());
-  auto dot = at::empty({rows, inter / kGemmTileN}, dy_rows.options().dtype(at::kFloat));
+  auto dh = empty_like_device(dy_rows, {rows, 2 * inter});
+  auto aw = empty_like_device(dy_rows, {rows, inter});
+  auto dot = empty_like_device(dy_rows, {rows, inter / kGemmTileN}, ScalarType::Float);
   if (rows == 0) return {dh, aw, dot};
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLUBackward, dy_rows, w2, false, 0, inter,
                      dy_rows.size(1), offsets, aw, zero_unrouted);
   g.in_h = h.data_ptr();
-  g.row_weight = row_weight.data_ptr<float>();
+  g.row_weight = data_of<float>(row_weight);
   g.out_dh = dh.data_ptr();
-  g.out_dot = dot.data_ptr<float>();
+  g.out_dot = data_of<float>(dot);
   run_gemm(g, dy_rows, "fc2_dgrad_swiglu");
   return {dh, aw, dot};
 }
@@ -218,8 +211,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fc2_dgrad_swiglu_cuda(const at::T
 // expert_rows: the layout's routed rows per expert, or none. The kernel then skips 64-row k-slices of
 // padding, which must be zeros as the layout leaves them: wrong counts would give wrong results, so they
 // are the layout's own.
-void check_wgrad_args(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
-                      const std::optional<at::Tensor>& expert_rows) {
+void check_wgrad_args(const Tensor& a_rows, const Tensor& b_rows, const Tensor& offsets,
+                      const std::optional<Tensor>& expert_rows) {
   check_rows(a_rows, "a_rows");
   check_rows(b_rows, "b_rows");
   check_same_device(b_rows, a_rows, "b_rows");
@@ -235,15 +228,15 @@ void check_wgrad_args(const at::Tensor& a_rows, const at::Tensor& b_rows, const 
   check_same_device(*expert_rows, a_rows, "expert_rows");
 }
 
-at::Tensor expert_wgrad_cuda(const at::Tensor& a_rows, const at::Tensor& b_rows, const at::Tensor& offsets,
-                             const std::optional<at::Tensor>& expert_rows) {
+Tensor expert_wgrad_cuda(const Tensor& a_rows, const Tensor& b_rows, const Tensor& offsets,
+                         const std::optional<Tensor>& expert_rows) {
   check_wgrad_args(a_rows, b_rows, offsets, expert_rows);
-  const c10::cuda::CUDAGuard guard(a_rows.device());
-  auto out = at::empty({offsets.numel() - 1, a_rows.size(1), b_rows.size(1)}, a_rows.options());
-  if (a_rows.size(0) == 0) return out.zero_();
+  const DeviceGuard guard(a_rows.get_device_index());
+  auto out = empty_like_device(a_rows, {offsets.numel() - 1, a_rows.size(1), b_rows.size(1)});
+  if (a_rows.size(0) == 0) return torch::stable::zero_(out);
   auto g = gemm_args(GemmSchedule::kExperts, GemmEpilogue::kStore, a_rows, b_rows, false, a_rows.size(1),
                      b_rows.size(1), 0, offsets, out, true);
-  g.expert_rows = expert_rows.has_value() ? expert_rows->data_ptr<int32_t>() : nullptr;
+  g.expert_rows = expert_rows.has_value() ? data_of<int32_t>(*expert_rows) : nullptr;
   run_gemm(g, a_rows, "expert_wgrad");
   return out;
 }
@@ -270,16 +263,16 @@ const ArgCheckRegistration wgrad_check("expert_wgrad", 4, 0, [](const OpArgs& a)
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
-  m.impl("expert_gemm", &expert_gemm_cuda);
-  m.impl("fc1_swiglu", &fc1_swiglu_cuda);
-  m.impl("fc2_dgrad_swiglu", &fc2_dgrad_swiglu_cuda);
-  m.impl("expert_wgrad", &expert_wgrad_cuda);
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
+  m.impl("expert_gemm", TORCH_BOX(&expert_gemm_cuda));
+  m.impl("fc1_swiglu", TORCH_BOX(&fc1_swiglu_cuda));
+  m.impl("fc2_dgrad_swiglu", TORCH_BOX(&fc2_dgrad_swiglu_cuda));
+  m.impl("expert_wgrad", TORCH_BOX(&expert_wgrad_cuda));
 }
 
-TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
-  m.impl("expert_gemm_unsupported", &expert_gemm_unsupported_op);
-  m.impl("_gemm_force_config", &gemm_force_config_op);
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
+  m.impl("expert_gemm_unsupported", TORCH_BOX(&expert_gemm_unsupported_op));
+  m.impl("_gemm_force_config", TORCH_BOX(&gemm_force_config_op));
 }
 
 }  // namespace primemoe

@@ -1,8 +1,5 @@
 // dispatch_layout (the routing layout), and the layout's and the engine's sizes that Python reads
 // (_constant, _layout_max_rows) instead of restating them.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <limits>
@@ -15,10 +12,10 @@
 namespace primemoe {
 namespace {
 
-void check_layout_args(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
+void check_layout_args(const Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
                        int64_t row_align) {
   PRIMEMOE_CHECK(topk_idx.dim() == 2, "topk_idx: expected a 2-D tensor [T, K], got ", topk_idx.sizes());
-  PRIMEMOE_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+  PRIMEMOE_CHECK(topk_idx.scalar_type() == ScalarType::Long || topk_idx.scalar_type() == ScalarType::Int,
                  "topk_idx: expected int64 or int32, got ", topk_idx.scalar_type());
   PRIMEMOE_CHECK(topk_idx.size(1) >= 1, "topk_idx: expected at least one slot per token");
   PRIMEMOE_CHECK(num_local >= 1 && num_local <= kLayoutMaxLocalExperts, "num_local_experts: expected 1..",
@@ -30,8 +27,8 @@ void check_layout_args(const at::Tensor& topk_idx, int64_t num_experts, int64_t 
                  "topk_idx: too many slots for 32-bit row indices");
 }
 
-LayoutResult dispatch_layout_cuda(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin,
-                                  int64_t num_local, int64_t row_align) {
+LayoutResult dispatch_layout_cuda(const Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
+                                  int64_t row_align) {
   return launch_layout(topk_idx, num_experts, expert_begin, num_local, row_align, nullptr);
 }
 
@@ -74,43 +71,44 @@ int64_t constant_op(const std::string& name) {
 
 }  // namespace
 
-LayoutResult launch_layout(const at::Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
+LayoutResult launch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
                            int64_t row_align, bool* slot_valid) {
   check_layout_args(topk_idx, num_experts, expert_begin, num_local, row_align);
-  const c10::cuda::CUDAGuard guard(topk_idx.device());
-  raise_pending_error(topk_idx.get_device());
-  const auto opts = topk_idx.options().dtype(at::kInt);
+  const DeviceGuard guard(topk_idx.get_device_index());
+  raise_pending_error(topk_idx.get_device_index());
   const int64_t num_slots = topk_idx.numel();
-  auto counts = at::empty({num_local}, opts);
-  auto offsets = at::empty({num_local + 1}, opts);
-  auto slot_to_row = at::empty(topk_idx.sizes(), opts);
-  auto row_to_slot = at::empty({layout_max_rows(num_slots, num_local, row_align)}, opts);
-  auto workspace = at::empty({std::max<int64_t>(layout_workspace_ints(num_slots, num_local), 1)}, opts);
+  constexpr auto kInt32 = ScalarType::Int;
+  auto counts = empty_like_device(topk_idx, {num_local}, kInt32);
+  auto offsets = empty_like_device(topk_idx, {num_local + 1}, kInt32);
+  auto slot_to_row = empty_like_device(topk_idx, topk_idx.sizes(), kInt32);
+  auto row_to_slot = empty_like_device(topk_idx, {layout_max_rows(num_slots, num_local, row_align)}, kInt32);
+  auto workspace =
+      empty_like_device(topk_idx, {std::max<int64_t>(layout_workspace_ints(num_slots, num_local), 1)}, kInt32);
   DispatchLayoutArgs a{};
   a.topk_idx = topk_idx.data_ptr();
-  a.idx_is_int64 = topk_idx.scalar_type() == at::kLong;
+  a.idx_is_int64 = topk_idx.scalar_type() == ScalarType::Long;
   a.num_slots = num_slots;
   a.top_k = static_cast<int32_t>(topk_idx.size(1));
   a.num_experts = static_cast<int32_t>(num_experts);
   a.expert_begin = static_cast<int32_t>(expert_begin);
   a.num_local = static_cast<int32_t>(num_local);
   a.row_align = static_cast<int32_t>(row_align);
-  a.expert_counts = counts.data_ptr<int32_t>();
-  a.expert_offsets = offsets.data_ptr<int32_t>();
-  a.slot_to_row = slot_to_row.data_ptr<int32_t>();
-  a.row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.expert_counts = data_of<int32_t>(counts);
+  a.expert_offsets = data_of<int32_t>(offsets);
+  a.slot_to_row = data_of<int32_t>(slot_to_row);
+  a.row_to_slot = data_of<int32_t>(row_to_slot);
   a.slot_valid = slot_valid;
-  a.workspace = workspace.data_ptr<int32_t>();
+  a.workspace = data_of<int32_t>(workspace);
   a.error = error_record_for(topk_idx);
-  check_cuda(launch_dispatch_layout(a, c10::cuda::getCurrentCUDAStream()), "dispatch_layout");
+  check_cuda(launch_dispatch_layout(a, current_stream(topk_idx)), "dispatch_layout");
   return {counts, offsets, slot_to_row, row_to_slot};
 }
 
-TORCH_LIBRARY_IMPL(primemoe, CUDA, m) { m.impl("dispatch_layout", &dispatch_layout_cuda); }
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CUDA, m) { m.impl("dispatch_layout", TORCH_BOX(&dispatch_layout_cuda)); }
 
-TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
-  m.impl("_layout_max_rows", &layout_max_rows_op);
-  m.impl("_constant", &constant_op);
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
+  m.impl("_layout_max_rows", TORCH_BOX(&layout_max_rows_op));
+  m.impl("_constant", TORCH_BOX(&constant_op));
 }
 
 }  // namespace primemoe

@@ -5,9 +5,6 @@
 // (the scale transposed, the layout the FP8 GEMMs load) and expert_offsets (rows at or past expert_offsets[-1],
 // read on the device, left unwritten). fp8_swiglu_quant and fp8_swiglu_backward (kernels/fp8_rows.cuh) are the
 // FP8 path's SwiGLU epilogues as row kernels. The CPU kernels are python/primemoe/_quant_ops.py.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 #include <tuple>
@@ -20,24 +17,24 @@
 namespace primemoe {
 namespace {
 
-using Quantized = std::tuple<at::Tensor, at::Tensor>;
+using Quantized = std::tuple<Tensor, Tensor>;
 
 // bf16, contiguous, 16-byte aligned on CUDA (the kernels load 16-byte vectors).
-void check_bf16_operand(const at::Tensor& t, const char* name) {
-  PRIMEMOE_CHECK(t.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ", t.scalar_type());
+void check_bf16_operand(const Tensor& t, const char* name) {
+  PRIMEMOE_CHECK(t.scalar_type() == ScalarType::BFloat16, name, ": expected bfloat16, got ", t.scalar_type());
   PRIMEMOE_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
   check_aligned(t, name);
 }
 
 // int32, contiguous, 1-D, at least one expert, on `like`'s device: the device-side row bound is its last entry.
-void check_expert_offsets(const at::Tensor& offsets, const at::Tensor& like) {
+void check_expert_offsets(const Tensor& offsets, const Tensor& like) {
   check_index(offsets, "expert_offsets", 1);
   PRIMEMOE_CHECK(offsets.numel() >= 2, "expert_offsets: expected at least 2 entries (one expert), got ",
                  offsets.numel());
   check_same_device(offsets, like, "expert_offsets");
 }
 
-void check_1x128_args(const at::Tensor& x, const std::optional<at::Tensor>& offsets) {
+void check_1x128_args(const Tensor& x, const std::optional<Tensor>& offsets) {
   PRIMEMOE_CHECK(x.dim() == 2, "x: expected a 2-D tensor [rows, K], got ", x.sizes());
   check_bf16_operand(x, "x");
   PRIMEMOE_CHECK(x.size(1) % kFp8Tile == 0, "x: expected a multiple of ", kFp8Tile,
@@ -45,7 +42,7 @@ void check_1x128_args(const at::Tensor& x, const std::optional<at::Tensor>& offs
   if (offsets.has_value()) check_expert_offsets(*offsets, x);
 }
 
-void check_128x1_args(const at::Tensor& x, const std::optional<at::Tensor>& offsets) {
+void check_128x1_args(const Tensor& x, const std::optional<Tensor>& offsets) {
   PRIMEMOE_CHECK(x.dim() == 2, "x: expected a 2-D tensor [M, K], got ", x.sizes());
   check_bf16_operand(x, "x");
   PRIMEMOE_CHECK(x.size(0) % kFp8Tile == 0, "x: expected a multiple of ", kFp8Tile,
@@ -55,158 +52,159 @@ void check_128x1_args(const at::Tensor& x, const std::optional<at::Tensor>& offs
 }
 
 // h [R, 2I] bf16 (gate | up halves), I a multiple of 128 (no 1x128 tile of a straddles the halves).
-void check_swiglu_h(const at::Tensor& h) {
+void check_swiglu_h(const Tensor& h) {
   PRIMEMOE_CHECK(h.dim() == 2, "h: expected a 2-D tensor [rows, 2I], got ", h.sizes());
   check_bf16_operand(h, "h");
   PRIMEMOE_CHECK(h.size(1) % (2 * kFp8Tile) == 0, "h: expected 2I columns with I a multiple of ", kFp8Tile,
                  " (1x128 tiles along I), got ", h.size(1));
 }
 
-void check_swiglu_quant_args(const at::Tensor& h, const at::Tensor& offsets) {
+void check_swiglu_quant_args(const Tensor& h, const Tensor& offsets) {
   check_swiglu_h(h);
   check_expert_offsets(offsets, h);
 }
 
-void check_swiglu_backward_args(const at::Tensor& da, const at::Tensor& h, const at::Tensor& row_weight,
-                                const at::Tensor& offsets) {
+void check_swiglu_backward_args(const Tensor& da, const Tensor& h, const Tensor& row_weight, const Tensor& offsets) {
   check_swiglu_h(h);
   const int64_t rows = h.size(0), inter = h.size(1) / 2;
   PRIMEMOE_CHECK(da.dim() == 2 && da.size(0) == rows && da.size(1) == inter, "da: expected shape [", rows, ", ",
                  inter, "] ([rows, I] of h [rows, 2I]), got ", da.sizes());
-  PRIMEMOE_CHECK(da.scalar_type() == at::kFloat, "da: expected float32, got ", da.scalar_type());
+  PRIMEMOE_CHECK(da.scalar_type() == ScalarType::Float, "da: expected float32, got ", da.scalar_type());
   PRIMEMOE_CHECK(da.is_contiguous(), "da: expected a contiguous tensor");
   check_aligned(da, "da");
   check_same_device(da, h, "da");
   PRIMEMOE_CHECK(row_weight.dim() == 1 && row_weight.numel() == rows, "row_weight: expected shape [", rows,
                  "] (one per row of h), got ", row_weight.sizes());
-  PRIMEMOE_CHECK(row_weight.scalar_type() == at::kFloat, "row_weight: expected float32, got ",
+  PRIMEMOE_CHECK(row_weight.scalar_type() == ScalarType::Float, "row_weight: expected float32, got ",
                  row_weight.scalar_type());
   PRIMEMOE_CHECK(row_weight.is_contiguous(), "row_weight: expected a contiguous tensor");
   check_same_device(row_weight, h, "row_weight");
   check_expert_offsets(offsets, h);
 }
 
-void check_128x128_args(const at::Tensor& w) {
+void check_128x128_args(const Tensor& w) {
   PRIMEMOE_CHECK(w.dim() >= 2, "w: expected a tensor of at least 2 dimensions [..., N, K], got ", w.sizes());
   check_bf16_operand(w, "w");
-  PRIMEMOE_CHECK(w.size(-2) % kFp8Tile == 0 && w.size(-1) % kFp8Tile == 0, "w: expected its last two sizes [N, K] ",
+  PRIMEMOE_CHECK(w.size(w.dim() - 2) % kFp8Tile == 0 && w.size(w.dim() - 1) % kFp8Tile == 0,
+                 "w: expected its last two sizes [N, K] ",
                  "multiples of ", kFp8Tile, " (128x128 blocks), got ", w.sizes());
 }
 
-at::TensorOptions fp8_like(const at::Tensor& t) { return t.options().dtype(at::kFloat8_e4m3fn); }
-at::TensorOptions fp32_like(const at::Tensor& t) { return t.options().dtype(at::kFloat); }
+// New tensors of `sizes` on t's device: e4m3 (the quantised values), fp32 (their scales).
+Tensor fp8_like(const Tensor& t, IntArrayRef sizes) { return empty_like_device(t, sizes, ScalarType::Float8_e4m3fn); }
+Tensor fp32_like(const Tensor& t, IntArrayRef sizes) { return empty_like_device(t, sizes, ScalarType::Float); }
 
 // The device pointer to expert_offsets[-1] (the routed row count), or null.
-const int32_t* rows_end_of(const std::optional<at::Tensor>& offsets) {
-  return offsets.has_value() ? offsets->data_ptr<int32_t>() + (offsets->numel() - 1) : nullptr;
+const int32_t* rows_end_of(const std::optional<Tensor>& offsets) {
+  return offsets.has_value() ? data_of<int32_t>(*offsets) + (offsets->numel() - 1) : nullptr;
 }
 
-Quantized quantize_1x128_cuda(const at::Tensor& x, bool pow2, bool scale_mn_major,
-                              const std::optional<at::Tensor>& expert_offsets) {
+Quantized quantize_1x128_cuda(const Tensor& x, bool pow2, bool scale_mn_major,
+                              const std::optional<Tensor>& expert_offsets) {
   check_1x128_args(x, expert_offsets);
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto q = at::empty(x.sizes(), fp8_like(x));
-  auto s = scale_mn_major ? at::empty({x.size(1) / kFp8Tile, x.size(0)}, fp32_like(x))
-                          : at::empty({x.size(0), x.size(1) / kFp8Tile}, fp32_like(x));
+  const DeviceGuard guard(x.get_device_index());
+  auto q = fp8_like(x, x.sizes());
+  auto s = scale_mn_major ? fp32_like(x, {x.size(1) / kFp8Tile, x.size(0)})
+                          : fp32_like(x, {x.size(0), x.size(1) / kFp8Tile});
   Quantize1x128Args a{};
   a.x = x.data_ptr();
   a.q = q.data_ptr();
-  a.scale = s.data_ptr<float>();
+  a.scale = data_of<float>(s);
   a.rows = x.size(0);
   a.cols = x.size(1);
   a.pow2 = pow2;
   a.scale_mn_major = scale_mn_major;
   a.rows_end = rows_end_of(expert_offsets);
-  check_cuda(launch_quantize_1x128(a, c10::cuda::getCurrentCUDAStream()), "quantize_fp8_1x128");
+  check_cuda(launch_quantize_1x128(a, current_stream(x)), "quantize_fp8_1x128");
   return {q, s};
 }
 
-Quantized quantize_128x1_cuda(const at::Tensor& x, bool pow2, bool scale_mn_major,
-                              const std::optional<at::Tensor>& expert_offsets) {
+Quantized quantize_128x1_cuda(const Tensor& x, bool pow2, bool scale_mn_major,
+                              const std::optional<Tensor>& expert_offsets) {
   check_128x1_args(x, expert_offsets);
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto q_t = at::empty({x.size(1), x.size(0)}, fp8_like(x));
-  auto s = scale_mn_major ? at::empty({x.size(0) / kFp8Tile, x.size(1)}, fp32_like(x))
-                          : at::empty({x.size(1), x.size(0) / kFp8Tile}, fp32_like(x));
+  const DeviceGuard guard(x.get_device_index());
+  auto q_t = fp8_like(x, {x.size(1), x.size(0)});
+  auto s = scale_mn_major ? fp32_like(x, {x.size(0) / kFp8Tile, x.size(1)})
+                          : fp32_like(x, {x.size(1), x.size(0) / kFp8Tile});
   Quantize128x1Args a{};
   a.x = x.data_ptr();
   a.q_t = q_t.data_ptr();
-  a.scale = s.data_ptr<float>();
+  a.scale = data_of<float>(s);
   a.rows = x.size(0);
   a.cols = x.size(1);
   a.pow2 = pow2;
   a.scale_mn_major = scale_mn_major;
   a.rows_end = rows_end_of(expert_offsets);
-  check_cuda(launch_quantize_128x1(a, c10::cuda::getCurrentCUDAStream()), "quantize_fp8_128x1");
+  check_cuda(launch_quantize_128x1(a, current_stream(x)), "quantize_fp8_128x1");
   return {q_t, s};
 }
 
-Quantized quantize_128x128_cuda(const at::Tensor& w, bool pow2) {
+Quantized quantize_128x128_cuda(const Tensor& w, bool pow2) {
   check_128x128_args(w);
-  const c10::cuda::CUDAGuard guard(w.device());
-  auto q = at::empty(w.sizes(), fp8_like(w));
+  const DeviceGuard guard(w.get_device_index());
+  auto q = fp8_like(w, w.sizes());
   std::vector<int64_t> scale_shape(w.sizes().begin(), w.sizes().end());
   scale_shape[w.dim() - 2] /= kFp8Tile;
   scale_shape[w.dim() - 1] /= kFp8Tile;
-  auto s = at::empty(scale_shape, fp32_like(w));
+  auto s = fp32_like(w, scale_shape);
   Quantize128x128Args a{};
   a.w = w.data_ptr();
   a.q = q.data_ptr();
-  a.scale = s.data_ptr<float>();
-  a.cols = w.size(-1);
+  a.scale = data_of<float>(s);
+  a.cols = w.size(w.dim() - 1);
   a.rows = a.cols == 0 ? 0 : w.numel() / a.cols;
   a.pow2 = pow2;
-  check_cuda(launch_quantize_128x128(a, c10::cuda::getCurrentCUDAStream()), "quantize_fp8_128x128");
+  check_cuda(launch_quantize_128x128(a, current_stream(w)), "quantize_fp8_128x128");
   return {q, s};
 }
 
 // h [R, 2I] -> (a_q [R, I] e4m3, a_scale [I/128, R]); rows at or past expert_offsets[-1] unwritten.
-Quantized fp8_swiglu_quant_cuda(const at::Tensor& h, const at::Tensor& expert_offsets, bool pow2) {
+Quantized fp8_swiglu_quant_cuda(const Tensor& h, const Tensor& expert_offsets, bool pow2) {
   check_swiglu_quant_args(h, expert_offsets);
-  const c10::cuda::CUDAGuard guard(h.device());
+  const DeviceGuard guard(h.get_device_index());
   const int64_t rows = h.size(0), inter = h.size(1) / 2;
-  auto a_q = at::empty({rows, inter}, fp8_like(h));
-  auto a_scale = at::empty({inter / kFp8Tile, rows}, fp32_like(h));
+  auto a_q = fp8_like(h, {rows, inter});
+  auto a_scale = fp32_like(h, {inter / kFp8Tile, rows});
   Fp8SwigluQuantArgs a{};
   a.h = h.data_ptr();
   a.a_q = a_q.data_ptr();
-  a.a_scale = a_scale.data_ptr<float>();
+  a.a_scale = data_of<float>(a_scale);
   a.rows_end = rows_end_of(expert_offsets);
   a.rows = rows;
   a.inter = inter;
   a.pow2 = pow2;
-  check_cuda(launch_fp8_swiglu_quant(a, c10::cuda::getCurrentCUDAStream()), "fp8_swiglu_quant");
+  check_cuda(launch_fp8_swiglu_quant(a, current_stream(h)), "fp8_swiglu_quant");
   return {a_q, a_scale};
 }
 
-using SwigluBackward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using SwigluBackward = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 // (dh [R, 2I] bf16, dh_q [R, 2I] e4m3, dh_scale [2I/128, R], aw [R, I] bf16, dot [R] fp32); rows at or past
 // expert_offsets[-1] unwritten.
-SwigluBackward fp8_swiglu_backward_cuda(const at::Tensor& da, const at::Tensor& h, const at::Tensor& row_weight,
-                                        const at::Tensor& expert_offsets, bool pow2) {
+SwigluBackward fp8_swiglu_backward_cuda(const Tensor& da, const Tensor& h, const Tensor& row_weight,
+                                        const Tensor& expert_offsets, bool pow2) {
   check_swiglu_backward_args(da, h, row_weight, expert_offsets);
-  const c10::cuda::CUDAGuard guard(h.device());
+  const DeviceGuard guard(h.get_device_index());
   const int64_t rows = h.size(0), inter = h.size(1) / 2;
-  auto dh = at::empty({rows, 2 * inter}, h.options());
-  auto dh_q = at::empty({rows, 2 * inter}, fp8_like(h));
-  auto dh_scale = at::empty({2 * inter / kFp8Tile, rows}, fp32_like(h));
-  auto aw = at::empty({rows, inter}, h.options());
-  auto dot = at::empty({rows}, fp32_like(h));
+  auto dh = empty_like_device(h, {rows, 2 * inter});
+  auto dh_q = fp8_like(h, {rows, 2 * inter});
+  auto dh_scale = fp32_like(h, {2 * inter / kFp8Tile, rows});
+  auto aw = empty_like_device(h, {rows, inter});
+  auto dot = fp32_like(h, {rows});
   Fp8SwigluBackwardArgs a{};
-  a.da = da.data_ptr<float>();
+  a.da = data_of<float>(da);
   a.h = h.data_ptr();
-  a.row_weight = row_weight.data_ptr<float>();
+  a.row_weight = data_of<float>(row_weight);
   a.dh = dh.data_ptr();
   a.dh_q = dh_q.data_ptr();
-  a.dh_scale = dh_scale.data_ptr<float>();
+  a.dh_scale = data_of<float>(dh_scale);
   a.aw = aw.data_ptr();
-  a.dot = dot.data_ptr<float>();
+  a.dot = data_of<float>(dot);
   a.rows_end = rows_end_of(expert_offsets);
   a.rows = rows;
   a.inter = inter;
   a.pow2 = pow2;
-  check_cuda(launch_fp8_swiglu_backward(a, c10::cuda::getCurrentCUDAStream()), "fp8_swiglu_backward");
+  check_cuda(launch_fp8_swiglu_backward(a, current_stream(h)), "fp8_swiglu_backward");
   return {dh, dh_q, dh_scale, aw, dot};
 }
 
@@ -231,12 +229,12 @@ const ArgCheckRegistration swiglu_backward_check("fp8_swiglu_backward", 4, 1, []
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
-  m.impl("quantize_fp8_1x128", &quantize_1x128_cuda);
-  m.impl("quantize_fp8_128x1", &quantize_128x1_cuda);
-  m.impl("quantize_fp8_128x128", &quantize_128x128_cuda);
-  m.impl("fp8_swiglu_quant", &fp8_swiglu_quant_cuda);
-  m.impl("fp8_swiglu_backward", &fp8_swiglu_backward_cuda);
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
+  m.impl("quantize_fp8_1x128", TORCH_BOX(&quantize_1x128_cuda));
+  m.impl("quantize_fp8_128x1", TORCH_BOX(&quantize_128x1_cuda));
+  m.impl("quantize_fp8_128x128", TORCH_BOX(&quantize_128x128_cuda));
+  m.impl("fp8_swiglu_quant", TORCH_BOX(&fp8_swiglu_quant_cuda));
+  m.impl("fp8_swiglu_backward", TORCH_BOX(&fp8_swiglu_backward_cuda));
 }
 
 }  // namespace primemoe

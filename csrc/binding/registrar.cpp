@@ -2,10 +2,16 @@
 // (layout_ops, rows_ops, gemm_ops, quant_ops, ep_ops, error_ops); the primitives' CPU kernels
 // (python/primemoe/_cpu.py, _quant_ops.py), the layer's ops and the fake kernels from python/primemoe/. Ops named
 // with a leading underscore are internal.
+//
+// Stable ABI (see common.h): the schemas register through STABLE_TORCH_LIBRARY, and the module is built against
+// Python's limited API (Py_LIMITED_API, 3.10), so one wheel serves every CPython >= 3.10 and torch >= 2.10.
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030A0000
+#endif
 #include <Python.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
-TORCH_LIBRARY(primemoe, m) {
+STABLE_TORCH_LIBRARY(primemoe, m) {
   // ---------------------------------------------------------------- the layer
   m.def(
       "moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, str precision=\"bf16\", "
@@ -130,8 +136,9 @@ TORCH_LIBRARY(primemoe, m) {
   m.def("_describe_error(int[] record) -> str");
 }
 
-// Importing primemoe._C loads this library, whose static initialisers register the ops.
-extern "C" PyObject* PyInit__C(void) {
+// Importing primemoe._C loads this library, whose static initialisers register the ops: the module itself is empty
+// (limited API only: PyModule_Create is PyModule_Create2 with the stable ABI's version there).
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module);
 }

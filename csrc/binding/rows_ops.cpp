@@ -1,17 +1,13 @@
 // The row primitives around the expert GEMMs: gather_rows (tokens into expert-major rows), combine_reduce
 // (a token's rows summed back), slot_dot, gather_scalars, copy_routed_rows and zero_unrouted_rows.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "common.h"
 
 namespace primemoe {
 namespace {
 
-void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
-                       const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row,
-                       const std::optional<at::Tensor>& offsets) {
+void check_gather_args(const Tensor& src, const Tensor& row_to_slot, int64_t top_k, const std::optional<Tensor>& scale,
+                       const std::optional<Tensor>& slot_to_row, const std::optional<Tensor>& offsets) {
   check_rows(src, "src");
   check_index(row_to_slot, "row_to_slot", 1);
   PRIMEMOE_CHECK(top_k >= 1, "top_k: expected >= 1, got ", top_k);
@@ -36,36 +32,35 @@ void check_gather_args(const at::Tensor& src, const at::Tensor& row_to_slot, int
 // The kernel walks tokens, so it needs slot_to_row: the caller's (dispatch_layout made both maps),
 // else the inverse of row_to_slot, computed on the device. With expert_offsets the rows at or past
 // expert_offsets[-1] are left unwritten (undefined), for callers that read only the routed rows.
-at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_to_slot, int64_t top_k,
-                            const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& slot_to_row,
-                            const std::optional<at::Tensor>& offsets) {
+Tensor gather_rows_cuda(const Tensor& src, const Tensor& row_to_slot, int64_t top_k, const std::optional<Tensor>& scale,
+                        const std::optional<Tensor>& slot_to_row, const std::optional<Tensor>& offsets) {
   check_gather_args(src, row_to_slot, top_k, scale, slot_to_row, offsets);
-  const c10::cuda::CUDAGuard guard(src.device());
-  auto dst = at::empty({row_to_slot.size(0), src.size(1)}, src.options());
+  const DeviceGuard guard(src.get_device_index());
+  auto dst = empty_like_device(src, {row_to_slot.size(0), src.size(1)});
   GatherRowsArgs a{};
   a.src = src.data_ptr();
-  a.row_to_slot = row_to_slot.data_ptr<int32_t>();
+  a.row_to_slot = data_of<int32_t>(row_to_slot);
   a.scale_type = scale_type_of(scale, "scale");
   a.scale = scale.has_value() ? scale->data_ptr() : nullptr;
   a.dst = dst.data_ptr();
-  a.row_end = offsets.has_value() ? offsets->data_ptr<int32_t>() + (offsets->numel() - 1) : nullptr;
+  a.row_end = offsets.has_value() ? data_of<int32_t>(*offsets) + (offsets->numel() - 1) : nullptr;
   a.num_rows = row_to_slot.size(0);
   a.num_tokens = src.size(0);
   a.hidden = static_cast<int32_t>(src.size(1));
   a.top_k = static_cast<int32_t>(top_k);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor inverse = slot_to_row.has_value() ? *slot_to_row : at::empty({src.size(0), top_k}, row_to_slot.options());
+  const cudaStream_t stream = current_stream(src);
+  Tensor inverse = slot_to_row.has_value() ? *slot_to_row : empty_like_device(row_to_slot, {src.size(0), top_k});
   if (!slot_to_row.has_value()) {
-    check_cuda(launch_invert_row_to_slot(row_to_slot.data_ptr<int32_t>(), a.num_rows, src.size(0) * top_k,
-                                         inverse.data_ptr<int32_t>(), stream),
+    check_cuda(launch_invert_row_to_slot(data_of<int32_t>(row_to_slot), a.num_rows, src.size(0) * top_k,
+                                         data_of<int32_t>(inverse), stream),
                "gather_rows");
   }
-  a.slot_to_row = inverse.data_ptr<int32_t>();
+  a.slot_to_row = data_of<int32_t>(inverse);
   check_cuda(launch_gather_rows(a, stream), "gather_rows");
   return dst;
 }
 
-void check_combine_args(const at::Tensor& rows, const at::Tensor& slot_to_row, const std::optional<at::Tensor>& w) {
+void check_combine_args(const Tensor& rows, const Tensor& slot_to_row, const std::optional<Tensor>& w) {
   check_rows(rows, "rows");
   check_index(slot_to_row, "slot_to_row", 2);
   scale_type_of(w, "weights");
@@ -75,75 +70,74 @@ void check_combine_args(const at::Tensor& rows, const at::Tensor& slot_to_row, c
   }
 }
 
-at::Tensor combine_reduce_cuda(const at::Tensor& rows, const at::Tensor& slot_to_row,
-                               const std::optional<at::Tensor>& weights) {
+Tensor combine_reduce_cuda(const Tensor& rows, const Tensor& slot_to_row, const std::optional<Tensor>& weights) {
   check_combine_args(rows, slot_to_row, weights);
-  const c10::cuda::CUDAGuard guard(rows.device());
-  auto y = at::empty({slot_to_row.size(0), rows.size(1)}, rows.options());
+  const DeviceGuard guard(rows.get_device_index());
+  auto y = empty_like_device(rows, {slot_to_row.size(0), rows.size(1)});
   CombineReduceArgs a{};
   a.rows = rows.data_ptr();
-  a.slot_to_row = slot_to_row.data_ptr<int32_t>();
+  a.slot_to_row = data_of<int32_t>(slot_to_row);
   a.weight_type = scale_type_of(weights, "weights");
   a.weights = weights.has_value() ? weights->data_ptr() : nullptr;
   a.y = y.data_ptr();
   a.num_tokens = slot_to_row.size(0);
   a.hidden = static_cast<int32_t>(rows.size(1));
   a.top_k = static_cast<int32_t>(slot_to_row.size(1));
-  check_cuda(launch_combine_reduce(a, c10::cuda::getCurrentCUDAStream()), "combine_reduce");
+  check_cuda(launch_combine_reduce(a, current_stream(rows)), "combine_reduce");
   return y;
 }
 
-void check_slot_dot_args(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
+void check_slot_dot_args(const Tensor& a, const Tensor& b, const Tensor& slot_to_row) {
   check_rows(a, "a");
   check_rows(b, "b");
   check_index(slot_to_row, "slot_to_row", 2);
   PRIMEMOE_CHECK(a.sizes() == b.sizes(), "b: expected the shape of a, ", a.sizes(), ", got ", b.sizes());
 }
 
-at::Tensor slot_dot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot_to_row) {
+Tensor slot_dot_cuda(const Tensor& a, const Tensor& b, const Tensor& slot_to_row) {
   check_slot_dot_args(a, b, slot_to_row);
-  const c10::cuda::CUDAGuard guard(a.device());
-  auto out = at::empty(slot_to_row.sizes(), a.options().dtype(at::kFloat));
+  const DeviceGuard guard(a.get_device_index());
+  auto out = empty_like_device(a, slot_to_row.sizes(), ScalarType::Float);
   SlotDotArgs args{};
   args.a = a.data_ptr();
   args.b = b.data_ptr();
-  args.slot_to_row = slot_to_row.data_ptr<int32_t>();
-  args.out = out.data_ptr<float>();
+  args.slot_to_row = data_of<int32_t>(slot_to_row);
+  args.out = data_of<float>(out);
   args.num_slots = slot_to_row.numel();
   args.width = static_cast<int32_t>(a.size(1));
-  check_cuda(launch_slot_dot(args, c10::cuda::getCurrentCUDAStream()), "slot_dot");
+  check_cuda(launch_slot_dot(args, current_stream(a)), "slot_dot");
   return out;
 }
 
-void check_gather_scalars_args(const at::Tensor& values, const at::Tensor& index) {
+void check_gather_scalars_args(const Tensor& values, const Tensor& index) {
   PRIMEMOE_CHECK(values.dim() == 1, "values: expected a 1-D tensor, got ", values.sizes());
-  PRIMEMOE_CHECK(values.scalar_type() == at::kFloat || values.scalar_type() == at::kBFloat16,
+  PRIMEMOE_CHECK(values.scalar_type() == ScalarType::Float || values.scalar_type() == ScalarType::BFloat16,
                  "values: expected float32 or bfloat16, got ", values.scalar_type());
   PRIMEMOE_CHECK(values.is_contiguous(), "values: expected a contiguous tensor");
-  PRIMEMOE_CHECK(index.scalar_type() == at::kInt, "index: expected int32, got ", index.scalar_type());
+  PRIMEMOE_CHECK(index.scalar_type() == ScalarType::Int, "index: expected int32, got ", index.scalar_type());
   PRIMEMOE_CHECK(index.is_contiguous(), "index: expected a contiguous tensor");
   PRIMEMOE_CHECK(index.device() == values.device(), "index: expected it on the same device as values");
 }
 
-at::Tensor gather_scalars_cuda(const at::Tensor& values, const at::Tensor& index) {
+Tensor gather_scalars_cuda(const Tensor& values, const Tensor& index) {
   check_gather_scalars_args(values, index);
-  const c10::cuda::CUDAGuard guard(values.device());
-  auto out = at::empty(index.sizes(), values.options().dtype(at::kFloat));
+  const DeviceGuard guard(values.get_device_index());
+  auto out = empty_like_device(values, index.sizes(), ScalarType::Float);
   GatherScalarsArgs args{};
   args.values = values.data_ptr();
-  args.value_type = values.scalar_type() == at::kFloat ? ScaleType::kFloat32 : ScaleType::kBFloat16;
-  args.index = index.data_ptr<int32_t>();
-  args.out = out.data_ptr<float>();
+  args.value_type = values.scalar_type() == ScalarType::Float ? ScaleType::kFloat32 : ScaleType::kBFloat16;
+  args.index = data_of<int32_t>(index);
+  args.out = data_of<float>(out);
   args.num_values = values.size(0);
   args.count = index.numel();
-  check_cuda(launch_gather_scalars(args, c10::cuda::getCurrentCUDAStream()), "gather_scalars");
+  check_cuda(launch_gather_scalars(args, current_stream(values)), "gather_scalars");
   return out;
 }
 
 // copy_routed_rows: a new tensor whose rows [0, expert_offsets[-1]) are those of `rows`; rows past
 // that bound are undefined (the GPU does not write them). The bound is read on the
 // device, so the copy needs no host sync and moves only the routed rows of a worst-case-sized region.
-void check_routed_rows_args(const at::Tensor& rows, const at::Tensor& offsets) {
+void check_routed_rows_args(const Tensor& rows, const Tensor& offsets) {
   PRIMEMOE_CHECK(rows.dim() == 2, "rows: expected a 2-D tensor [rows, width], got ", rows.sizes());
   PRIMEMOE_CHECK(rows.is_contiguous(), "rows: expected a contiguous tensor");
   const int64_t row_bytes = rows.size(1) * rows.element_size();
@@ -153,36 +147,36 @@ void check_routed_rows_args(const at::Tensor& rows, const at::Tensor& offsets) {
   check_same_device(offsets, rows, "expert_offsets");
 }
 
-at::Tensor copy_routed_rows_cuda(const at::Tensor& rows, const at::Tensor& offsets) {
+Tensor copy_routed_rows_cuda(const Tensor& rows, const Tensor& offsets) {
   check_routed_rows_args(rows, offsets);
   PRIMEMOE_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "rows: expected 16-byte aligned data");
-  const c10::cuda::CUDAGuard guard(rows.device());
-  auto out = at::empty_like(rows);
+  const DeviceGuard guard(rows.get_device_index());
+  auto out = torch::stable::empty_like(rows);
   CopyRoutedRowsArgs a{};
   a.src = rows.data_ptr();
   a.dst = out.data_ptr();
-  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.expert_offsets = data_of<int32_t>(offsets);
   a.num_experts = static_cast<int32_t>(offsets.numel() - 1);
   a.num_rows = rows.size(0);
   a.row_bytes = rows.size(1) * rows.element_size();
-  check_cuda(launch_copy_routed_rows(a, c10::cuda::getCurrentCUDAStream()), "copy_routed_rows");
+  check_cuda(launch_copy_routed_rows(a, current_stream(rows)), "copy_routed_rows");
   return out;
 }
 
 // zero_unrouted_rows: rows [expert_offsets[-1], rows) of `rows` set to zero in place, the bound read on the device
 // (no host sync): a GEMM run with zero_unrouted=False leaves those rows undefined, and a caller that hands such a
 // tensor on (the layer's fc1_out) zeroes them in one pass over the unrouted rows only.
-void zero_unrouted_rows_cuda(at::Tensor& rows, const at::Tensor& offsets) {
+void zero_unrouted_rows_cuda(Tensor& rows, const Tensor& offsets) {
   check_routed_rows_args(rows, offsets);
   PRIMEMOE_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "rows: expected 16-byte aligned data");
-  const c10::cuda::CUDAGuard guard(rows.device());
+  const DeviceGuard guard(rows.get_device_index());
   ZeroUnroutedRowsArgs a{};
   a.rows = rows.data_ptr();
-  a.expert_offsets = offsets.data_ptr<int32_t>();
+  a.expert_offsets = data_of<int32_t>(offsets);
   a.num_experts = static_cast<int32_t>(offsets.numel() - 1);
   a.num_rows = rows.size(0);
   a.row_bytes = rows.size(1) * rows.element_size();
-  check_cuda(launch_zero_unrouted_rows(a, c10::cuda::getCurrentCUDAStream()), "zero_unrouted_rows");
+  check_cuda(launch_zero_unrouted_rows(a, current_stream(rows)), "zero_unrouted_rows");
 }
 
 // The checks the CPU kernels (python/primemoe/_cpu.py) run through _check_args.
@@ -207,13 +201,13 @@ const ArgCheckRegistration zero_check("zero_unrouted_rows", 2, 0, [](const OpArg
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
-  m.impl("gather_rows", &gather_rows_cuda);
-  m.impl("combine_reduce", &combine_reduce_cuda);
-  m.impl("slot_dot", &slot_dot_cuda);
-  m.impl("gather_scalars", &gather_scalars_cuda);
-  m.impl("copy_routed_rows", &copy_routed_rows_cuda);
-  m.impl("zero_unrouted_rows", &zero_unrouted_rows_cuda);
+STABLE_TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
+  m.impl("gather_rows", TORCH_BOX(&gather_rows_cuda));
+  m.impl("combine_reduce", TORCH_BOX(&combine_reduce_cuda));
+  m.impl("slot_dot", TORCH_BOX(&slot_dot_cuda));
+  m.impl("gather_scalars", TORCH_BOX(&gather_scalars_cuda));
+  m.impl("copy_routed_rows", TORCH_BOX(&copy_routed_rows_cuda));
+  m.impl("zero_unrouted_rows", TORCH_BOX(&zero_unrouted_rows_cuda));
 }
 
 }  // namespace primemoe
