@@ -126,7 +126,7 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
   check_workspace(workspace, epoch, c, l);
   PRIMEMOE_CHECK(x.size(0) <= max_tokens, "x: ", x.size(0), " tokens exceed the buffer's max_tokens_per_rank ",
                  max_tokens);
-  PRIMEMOE_CHECK(topk_weights.sizes() == topk_idx.sizes(), "topk_weights: expected the shape of topk_idx");
+  PRIMEMOE_CHECK(same_shape(topk_weights.sizes(), topk_idx.sizes()), "topk_weights: expected the shape of topk_idx");
   PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
   const int64_t experts = world * local_experts;
   auto slot_valid = empty_like_device(topk_idx, topk_idx.sizes(), ScalarType::Bool);

@@ -20,7 +20,7 @@ void check_fp8(const Tensor& t, const char* name, int64_t dims) {
 void check_scale(const Tensor& s, const char* name, IntArrayRef shape, const Tensor& like) {
   PRIMEMOE_CHECK(s.scalar_type() == ScalarType::Float, name, ": expected float32, got ", s.scalar_type());
   PRIMEMOE_CHECK(s.is_contiguous(), name, ": expected a contiguous tensor");
-  PRIMEMOE_CHECK(s.sizes() == shape, name, ": expected shape ", shape, ", got ", s.sizes());
+  PRIMEMOE_CHECK(same_shape(s.sizes(), shape), name, ": expected shape ", shape, ", got ", s.sizes());
   check_same_device(s, like, name);
 }
 

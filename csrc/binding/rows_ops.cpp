@@ -65,7 +65,7 @@ void check_combine_args(const Tensor& rows, const Tensor& slot_to_row, const std
   check_index(slot_to_row, "slot_to_row", 2);
   scale_type_of(w, "weights");
   if (w.has_value()) {
-    PRIMEMOE_CHECK(w->sizes() == slot_to_row.sizes(), "weights: expected shape ", slot_to_row.sizes(), ", got ",
+    PRIMEMOE_CHECK(same_shape(w->sizes(), slot_to_row.sizes()), "weights: expected shape ", slot_to_row.sizes(), ", got ",
                 w->sizes());
   }
 }
@@ -91,7 +91,7 @@ void check_slot_dot_args(const Tensor& a, const Tensor& b, const Tensor& slot_to
   check_rows(a, "a");
   check_rows(b, "b");
   check_index(slot_to_row, "slot_to_row", 2);
-  PRIMEMOE_CHECK(a.sizes() == b.sizes(), "b: expected the shape of a, ", a.sizes(), ", got ", b.sizes());
+  PRIMEMOE_CHECK(same_shape(a.sizes(), b.sizes()), "b: expected the shape of a, ", a.sizes(), ", got ", b.sizes());
 }
 
 Tensor slot_dot_cuda(const Tensor& a, const Tensor& b, const Tensor& slot_to_row) {
