@@ -161,6 +161,24 @@ def compile_engine(archs, build_temp, jobs):
     return objects
 
 
+def check_nvcc():
+    """Before any compile: the nvcc under CUDA_HOME exists and is of torch's CUDA major. torch checks the major
+    only in BuildExtension.build_extensions, i.e. after compile_engine has spent minutes on the wrong nvcc."""
+    import re
+
+    import torch
+
+    nvcc = Path(os.environ.get("CUDA_HOME", "")) / "bin" / "nvcc"
+    if not nvcc.exists():
+        raise SystemExit(f"primemoe build: no nvcc at {nvcc}: set CUDA_HOME to a CUDA {torch_cuda_major()} toolkit "
+                         "(bin/nvcc, include/cuda_runtime.h)")
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if m and int(m.group(1)) != torch_cuda_major():
+        raise SystemExit(f"primemoe build: {nvcc} is CUDA {m.group(1)}.{m.group(2)} but torch was built with CUDA "
+                         f"{torch.version.cuda}: set CUDA_HOME to a CUDA {torch_cuda_major()} toolkit")
+
+
 class Build(BuildExtension):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, use_ninja=shutil.which("ninja") is not None, **kwargs)
@@ -170,6 +188,7 @@ class Build(BuildExtension):
         if jobs:
             os.environ["MAX_JOBS"] = jobs
         print(f"primemoe: building for sm_{', sm_'.join(ARCHS)} with CUDA at {os.environ.get('CUDA_HOME')}", flush=True)
+        check_nvcc()
         objects = compile_engine(ARCHS, self.build_temp, int(jobs) if jobs else (os.cpu_count() or 1))
         for ext in self.extensions:
             ext.extra_objects = [*ext.extra_objects, *objects]

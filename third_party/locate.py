@@ -75,6 +75,12 @@ def cuda_library_includes():
             inc = d / "nvidia" / sub / "include"
             if (inc / "cusparse.h").exists():
                 out.append(str(inc))
+        # CUDA 12 wheels (nvidia-cublas-cu12, nvidia-cusparse-cu12, ...): one include directory per library.
+        for lib, header in (("cublas", "cublas_v2.h"), ("cusparse", "cusparse.h"), ("cusolver", "cusolverDn.h"),
+                            ("curand", "curand.h"), ("cufft", "cufft.h"), ("nvtx", "nvtx3/nvToolsExt.h")):
+            inc = d / "nvidia" / lib / "include"
+            if (inc / header).exists():
+                out.append(str(inc))
     return out
 
 
