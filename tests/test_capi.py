@@ -27,7 +27,7 @@ BUILD_TIMEOUT_S = 1200
 def _cmake():
     cmake = shutil.which("cmake")
     if cmake is None:
-        return None, "cmake not found (scripts/setup.sh: pip install cmake)"
+        return None, "cmake not found (install CMake >= 3.25, e.g. pip install cmake)"
     out = subprocess.run([cmake, "--version"], capture_output=True, text=True).stdout
     m = re.search(r"cmake version (\d+)\.(\d+)", out)
     if m is None or (int(m.group(1)), int(m.group(2))) < (3, 25):
