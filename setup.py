@@ -194,17 +194,17 @@ class Build(BuildExtension):
             ext.extra_objects = [*ext.extra_objects, *objects]
         super().build_extensions()
 
-    def copy_extensions_to_source(self):
-        super().copy_extensions_to_source()
-        # A version-specific _C.cpython-*.so left by an earlier (non-abi3) build would shadow _C.abi3.so on import.
-        keep = {Path(self.get_ext_filename(ext.name)).name for ext in self.extensions}
-        for stale in (ROOT / "python" / "primemoe").glob("_C.*.so"):
-            if stale.name not in keep:
-                print(f"primemoe: removing {stale.relative_to(ROOT)} (it would shadow the abi3 module)", flush=True)
-                stale.unlink()
+def remove_stale_modules():
+    """The extension is abi3 (_C.abi3.so): a version-specific _C.cpython-*.so that an earlier build left in the source
+    tree or in build/lib would shadow it on import, and a wheel built from there would carry it. Removed before any
+    build step runs (build_py copies the package before build_ext builds)."""
+    for stale in [*(ROOT / "python" / "primemoe").glob("_C.cpython-*.so"), *ROOT.glob("build/lib*/primemoe/_C.cpython-*.so")]:
+        print(f"primemoe: removing {stale.relative_to(ROOT)} (it would shadow the abi3 module)", flush=True)
+        stale.unlink()
 
 
 ARCHS = cuda_archs()
+remove_stale_modules()
 NVSHMEM = locate.nvshmem_distribution()
 write_build_info(ARCHS, NVSHMEM)
 
