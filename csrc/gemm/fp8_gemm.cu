@@ -6,73 +6,26 @@
 
 #include "fp8_gemm.cuh"
 #include "grouped_gemm.cuh"  // kMaxDevices
+#include "host_common.cuh"
 #include "sm90/fp8_kernel.cuh"
 
 namespace primemoe {
 namespace {
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiled encode_tiled() {
-  static EncodeTiled fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      p = nullptr;
-    }
-    return reinterpret_cast<EncodeTiled>(p);
-  }();
-  return fn;
-}
+using gemm_host::aligned16;
+using gemm_host::compute_capability;
+using gemm_host::encode_tiled;
 
 // A 3-D byte tensor (inner, outer, layer), inner contiguous, moved in 128 x 128 boxes with the 128-byte swizzle.
 cudaError_t make_fp8_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, uint64_t layers) {
-  EncodeTiled encode = encode_tiled();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {inner, outer, layers};
-  const cuuint64_t strides[2] = {inner, inner * outer};
-  const cuuint32_t box[3] = {uint32_t(kFp8TileK), 128, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return gemm_host::make_swizzled_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, inner, outer, layers,
+                                      uint32_t(kFp8TileK), 128);
 }
 
 // The bf16 output [outer, inner] in 64 x 64 boxes with the 128-byte swizzle (the staging boxes' layout).
 cudaError_t make_bf16_out_map(CUtensorMap* map, void* base, uint64_t inner, uint64_t outer) {
-  EncodeTiled encode = encode_tiled();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {inner, outer, 1};
-  const cuuint64_t strides[2] = {inner * 2, inner * outer * 2};
-  const cuuint32_t box[3] = {64, 64, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims, strides, box, elem_strides,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return gemm_host::make_swizzled_map(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, inner, outer, 1, 64, 64);
 }
-
-int compute_capability(int device) {
-  static std::atomic<int> known[kMaxDevices];
-  if (device < 0 || device >= kMaxDevices) return 0;
-  int cc = known[device].load(std::memory_order_relaxed);
-  if (cc == 0) {
-    int major = 0;
-    int minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    cc = major * 10 + minor;
-    known[device].store(cc, std::memory_order_relaxed);
-  }
-  return cc;
-}
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <Fp8Schedule S>
 cudaError_t launch(const sm90::Fp8Params& params, int grid, cudaStream_t stream) {

@@ -5,68 +5,28 @@
 #include <cstdint>
 
 #include "grouped_gemm_launch.cuh"
+#include "host_common.cuh"
 #include "instantiations/variants.cuh"  // every built (variant, config)
 
 namespace primemoe {
 namespace {
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver entry point, looked up once through the runtime (no link against libcuda).
-EncodeTiled encode_tiled() {
-  static EncodeTiled fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      p = nullptr;
-    }
-    return reinterpret_cast<EncodeTiled>(p);
-  }();
-  return fn;
-}
+using gemm_host::aligned16;
+using gemm_host::compute_capability;
+using gemm_host::encode_tiled;
 
 // A 3-D bf16 tensor (inner, outer, layer), inner contiguous, moved in 128-byte swizzled boxes of
 // 64 inner elements by box_rows outer rows: 128 for K-major operands, 64 for MN-major ones and the
 // epilogue's stores.
 cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer, uint64_t layers,
                      uint32_t box_rows) {
-  EncodeTiled encode = encode_tiled();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {inner, outer, layers};
-  const cuuint64_t strides[2] = {inner * 2, inner * outer * 2};
-  const cuuint32_t box[3] = {64, box_rows, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
-                      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return gemm_host::make_swizzled_map(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, inner, outer, layers, 64,
+                                      box_rows);
 }
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // kRows: rows of one expert's weight operand (FC1's gate and up projections together).
 uint64_t weight_rows(const GroupedGemmArgs& a) {
   return a.epilogue == GemmEpilogue::kSwiGLU ? 2 * uint64_t(a.n) : uint64_t(a.n);
-}
-
-// major * 10 + minor, asked once per device (every GEMM launch checks it).
-int compute_capability(int device) {
-  static std::atomic<int> known[kMaxDevices];
-  if (device < 0 || device >= kMaxDevices) return 0;
-  int cc = known[device].load(std::memory_order_relaxed);
-  if (cc == 0) {
-    int major = 0;
-    int minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    cc = major * 10 + minor;
-    known[device].store(cc, std::memory_order_relaxed);
-  }
-  return cc;
 }
 
 // The device and the sizes, without the operands' addresses.
