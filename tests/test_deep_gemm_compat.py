@@ -8,7 +8,6 @@ combine contract, ranks as threads), at W = 1, 2 and 4; the outputs are checked 
 ``moe(..., buffer=)`` over the same model."""
 
 import inspect
-import threading
 from functools import partial
 
 import pytest
@@ -67,23 +66,7 @@ def model_buffers(monkeypatch):
 def run_world(tokens_per_rank, fn):
     """``fn(rank, group)`` on one thread per rank; returns the ranks' results."""
     world = World(len(tokens_per_rank))
-    results, errors = [None] * world.size, []
-
-    def rank_main(rank):
-        try:
-            results[rank] = fn(rank, FakeGroup(world, rank))
-        except BaseException as error:  # noqa: BLE001  (re-raised in the main thread)
-            errors.append(error)
-            world.barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    return world.run(lambda rank: fn(rank, FakeGroup(world, rank)))
 
 
 # ---------------------------------------------------------------- prime-rl's side, as it calls the fork

@@ -31,6 +31,27 @@ class World:
         self.barrier = threading.Barrier(size, timeout=60)
         self.posted = [None] * size
 
+    def run(self, fn):
+        """``fn(rank)`` on one thread per rank; returns their results in rank order. The first rank that raises
+        aborts the barrier (the others stop waiting) and its error is raised here."""
+        results, errors = [None] * self.size, []
+
+        def rank_main(rank):
+            try:
+                results[rank] = fn(rank)
+            except BaseException as error:  # noqa: BLE001  (re-raised in the calling thread)
+                errors.append(error)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
     def exchange(self, rank, item):
         self.posted[rank] = item
         self.barrier.wait()
@@ -117,24 +138,13 @@ def run_ranks(problem, tokens_per_rank, row_align=1, **moe_kwargs):
     hidden, inter, experts, top_k = SHAPE
     sizes = dict(max_tokens_per_rank=max(max(tokens_per_rank), 1), hidden=hidden, intermediate=inter,
                  num_experts=experts, top_k=top_k, row_align=row_align)
-    results, errors = [None] * world.size, []
 
     def rank_main(rank):
-        try:
-            buffer = ModelBuffer(world, rank, **sizes)
-            mine = rank_problem(problem, rank, tokens_per_rank, "cpu")
-            results[rank] = run_moe(partial(layer.ep_moe, buffer=buffer, **moe_kwargs), mine)
-        except BaseException as error:  # noqa: BLE001  (re-raised in the main thread)
-            errors.append(error)
-            world.barrier.abort()
+        buffer = ModelBuffer(world, rank, **sizes)
+        mine = rank_problem(problem, rank, tokens_per_rank, "cpu")
+        return run_moe(partial(layer.ep_moe, buffer=buffer, **moe_kwargs), mine)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    results = world.run(rank_main)
     return Outputs(**{name: torch.cat([getattr(r, name) for r in results]) for name in OUTPUT_NAMES})
 
 

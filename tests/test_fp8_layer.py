@@ -184,32 +184,19 @@ def test_fp8_composition_rejects_a_layout_that_is_not_128_aligned():
 def run_ranks_fp8(problem, tokens_per_rank, precision, row_align=FP8_ROW_ALIGN, **moe_kwargs) -> Outputs:
     """moe(buffer=) on one thread per rank, each with test_ep_cpu's ModelBuffer made for ``precision`` (NaN past
     the received rows, stale meta, NaN weights there), outputs gathered in rank order."""
-    import threading
-
     from ep_harness import rank_problem
     from test_ep_cpu import ModelBuffer, World
 
     world = World(len(tokens_per_rank))
-    results, errors = [None] * world.size, []
 
     def rank_main(rank):
-        try:
-            buffer = ModelBuffer(world, rank, max_tokens_per_rank=max(max(tokens_per_rank), 1), hidden=H,
-                                 intermediate=I, num_experts=E, top_k=K, row_align=row_align)
-            buffer.precision = precision
-            mine = rank_problem(problem, rank, tokens_per_rank, "cpu")
-            results[rank] = run_moe(partial(layer.ep_moe, buffer=buffer, precision=precision, **moe_kwargs), mine)
-        except BaseException as error:  # noqa: BLE001  (re-raised in the main thread)
-            errors.append(error)
-            world.barrier.abort()
+        buffer = ModelBuffer(world, rank, max_tokens_per_rank=max(max(tokens_per_rank), 1), hidden=H,
+                             intermediate=I, num_experts=E, top_k=K, row_align=row_align)
+        buffer.precision = precision
+        mine = rank_problem(problem, rank, tokens_per_rank, "cpu")
+        return run_moe(partial(layer.ep_moe, buffer=buffer, precision=precision, **moe_kwargs), mine)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    results = world.run(rank_main)
     return Outputs(**{name: torch.cat([getattr(r, name) for r in results]) for name in OUTPUT_NAMES})
 
 
