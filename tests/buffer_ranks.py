@@ -130,6 +130,8 @@ def single_rank_lifecycle(rank, world, problem_path, out_dir):
         with primemoe.Buffer(dist.group.WORLD, **sizes) as buffer:
             results["context_manager"] = _cpu(run_moe(partial(primemoe.moe, buffer=buffer), problem))
         assert buffer.closed
+        with primemoe.Buffer(dist.group.WORLD, **sizes, overlap=False) as buffer:
+            results["sequential"] = _cpu(run_moe(partial(primemoe.moe, buffer=buffer), problem))
         # Left open: freed (collectively) by the atexit hook when this process exits.
         buffer = primemoe.Buffer(dist.group.WORLD, **sizes)
         results["left_open"] = _cpu(run_moe(partial(primemoe.moe, buffer=buffer), problem))
@@ -185,8 +187,8 @@ def _layered(moe, first: Problem, second: Problem):
 
 def moe_cases(rank, world, cases_path, out_dir):
     """Every case through one Buffer, then, where ``data`` names them: a repeat (bitwise), two layers sharing
-    the buffer, and CUDA-graph replay against eager. ``data["precision"]`` (default bf16): the Buffer's and the
-    calls'."""
+    the buffer, CUDA-graph replay against eager, and the cases ``data["sequential"]`` again through a Buffer with
+    overlap=False. ``data["precision"]`` (default bf16): the Buffer's and the calls'."""
     data = torch.load(cases_path)
     precision = data.get("precision", "bf16")
     with ep_rank(rank, world) as device:
@@ -208,6 +210,12 @@ def moe_cases(rank, world, cases_path, out_dir):
                 results["graph"] = [(_cpu(replayed), _cpu(eager)) for replayed, eager in
                                     graph_replays(moe, mine(graph["static"]), [mine(c) for c in graph["replays"]])]
             primemoe.check_errors()
+        if data.get("sequential"):
+            with primemoe.Buffer(dist.group.WORLD, **data["sizes"], precision=precision, overlap=False) as buffer:
+                moe = partial(primemoe.moe, buffer=buffer, precision=precision)
+                results["sequential"] = {name: _cpu(run_moe(moe, mine(data["cases"][name])))
+                                         for name in data["sequential"]}
+                primemoe.check_errors()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -19,8 +19,8 @@ from helpers import PRIMEMOE_ROOT, make_problem
 import primemoe
 from primemoe import buffer as buffer_module
 from primemoe._validate import MoeShape
-from primemoe.buffer import (SYMMETRIC_HEAP_MARGIN, EpConfig, buffer_config, ep_layout, ep_region, ep_transport,
-                             nvshmem_environment)
+from primemoe.buffer import (SYMMETRIC_HEAP_MARGIN, EpConfig, buffer_config, ep_arrivals_per_epoch, ep_layout,
+                             ep_region, ep_transport, nvshmem_environment)
 from primemoe.ep import check_buffer_problem
 
 GOOD_SIZES = dict(max_tokens_per_rank=64, hidden=32, intermediate=16, num_experts=8, top_k=2)
@@ -46,31 +46,35 @@ def test_layout_matches_a_hand_computation():
         "recv_weights": (544, torch.float32, (21,)),  # 84 -> 640
         "combine_rows": (640, torch.bfloat16, (6, 8)),  # 96
         "combine_scalars": (736, torch.float32, (6,)),  # 24 -> 768
-        "scratch": (768, torch.int32, (4, 6)),  # 96
-        "stage_rows": (864, torch.bfloat16, (0, 8)),  # no rank sends by puts: empty
+        "scratch": (768, torch.int32, (6, 10)),  # (W + 1) * E + 1 = 10 per row: 240 -> 1008
+        "tile_counter": (1008, torch.int32, (1,)),  # 4 -> 1024
+        "stage_rows": (1024, torch.bfloat16, (0, 8)),  # no rank sends by puts: empty
     }
     layout, total = ep_layout(config)
     assert layout == expected
-    assert total == 864
+    assert total == 1024
+    assert ep_arrivals_per_epoch(config) == 3  # one per source rank, one for this rank's padding
 
 
 def test_put_peers_add_only_the_staging_region_at_the_end():
     stores, stores_total = ep_layout(EpConfig(**HAND_SIZES, put_peers=False))
     puts, puts_total = ep_layout(EpConfig(**HAND_SIZES, put_peers=True))
-    assert puts.pop("stage_rows") == (864, torch.bfloat16, (21, 8))  # R x H bf16: 336 bytes
-    assert puts_total == 864 + 336
+    assert puts.pop("stage_rows") == (1024, torch.bfloat16, (21, 8))  # R x H bf16: 336 bytes
+    assert puts_total == 1024 + 336
     stores.pop("stage_rows")
     assert puts == stores
 
 
 
 def test_layout_is_the_extensions():
-    """ep_layout parses the kernels' own table (ep_regions of ep_workspace.cuh): a line per region, then the total."""
+    """ep_layout parses the kernels' own table (ep_regions of ep_workspace.cuh): a line per region, the arrival
+    counters' gain per dispatch, then the total."""
     config = EpConfig(**HAND_SIZES, put_peers=False)
     lines = torch.ops.primemoe._ep_workspace_layout(*dataclasses.astuple(config)).splitlines()
-    assert lines[4] == "recv_rows bfloat16 112 21,8" and lines[-1] == "total 864"
+    assert lines[4] == "recv_rows bfloat16 112 21,8" and lines[-1] == "total 1024"
+    assert lines[-2] == "arrivals_per_epoch 3"
     layout, _ = ep_layout(config)
-    assert list(layout) == [line.split()[0] for line in lines[:-1]]
+    assert list(layout) == [line.split()[0] for line in lines[:-2]]
     assert layout["recv_rows"][2][0] == config.max_recv_rows
 
 @pytest.mark.parametrize("put_peers", [False, True])
@@ -153,6 +157,7 @@ def test_buffer_needs_a_process_group(no_nvshmem):
     ("intermediate", 20, ValueError, "intermediate: expected a multiple of 8, got 20"),
     ("precision", "fp16", ValueError, "precision: expected one of"),
     ("precision", "mxfp8", NotImplementedError, r"precision: 'mxfp8' .* needs a Blackwell \(sm_100\) GPU"),
+    ("overlap", 1, TypeError, "overlap: expected a bool, got int"),
     # An FP8 Buffer: hidden, intermediate and row_align multiples of 128.
     ("precision", "fp8", ValueError, "hidden: expected a multiple of 128 with an FP8 precision .*, got 32"),
 ])

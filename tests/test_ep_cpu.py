@@ -66,6 +66,7 @@ class ModelBuffer:
     closed = False
     precision = "bf16"
     device = torch.device("cpu")
+    overlap = True
 
     def __init__(self, world: World, rank, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
                  row_align):

@@ -60,8 +60,9 @@ EpConfig ep_config(int64_t rank, int64_t world, int64_t max_tokens, int64_t hidd
   return c;
 }
 
-// One line per region of ep_regions, "name element offset d0,d1,...", then "total bytes": python/primemoe/buffer.py
-// takes the typed views of the workspace from here.
+// One line per region of ep_regions, "name element offset d0,d1,...", then "arrivals_per_epoch n" (what an expert's
+// arrival counter gains per dispatch) and "total bytes": python/primemoe/buffer.py takes the typed views of the
+// workspace and the GEMM wait hook's target from here.
 std::string ep_workspace_layout_op(int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k,
                                    int64_t local_experts, int64_t row_align, bool put_peers) {
   const auto regions =
@@ -72,6 +73,7 @@ std::string ep_workspace_layout_op(int64_t world, int64_t max_tokens, int64_t hi
     for (int32_t d = 0; d < r.dims; ++d) out += (d ? "," : "") + std::to_string(r.shape[d]);
     out += "\n";
   }
+  out += "arrivals_per_epoch " + std::to_string(ep_arrivals_per_epoch(world)) + "\n";
   return out + "total " + std::to_string(ep_total_bytes(regions)) + "\n";
 }
 
@@ -96,9 +98,12 @@ void ep_workspace_free_op(const Tensor& workspace) {
 }
 
 EpScratch ep_scratch(uint8_t* ws, const EpLayout& l, const EpConfig& c) {
+  // The rows of the scratch region (ep_regions), in EpScratch's order.
   int32_t* base = reinterpret_cast<int32_t*>(ws + l.scratch);
-  const int64_t pairs = int64_t(c.world) * c.local_experts;
-  return {base, base + pairs, base + 2 * pairs, base + 3 * pairs};
+  const int64_t row = ep_send_order_entries(c.world, c.local_experts) + 1;
+  int32_t* pads = base + 5 * row;
+  return {base, base + row, base + 2 * row, base + 3 * row, base + 4 * row, pads, pads + c.local_experts,
+          reinterpret_cast<int32_t*>(ws + l.tile_counter)};
 }
 
 void check_workspace(const Tensor& ws, const Tensor& epoch, const EpConfig& c, const EpLayout& l) {

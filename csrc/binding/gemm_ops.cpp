@@ -75,7 +75,7 @@ void run_gemm(const GroupedGemmArgs& g, const Tensor& like, const char* what) {
                  forced_config.has_value() ? "forced by _gemm_force_config" : "chosen by choose_gemm_config", ")");
   GroupedGemmArgs args = g;
   Tensor counter;  // the claimed tile order's counter, zeroed on the stream (graph-capturable)
-  if (config.claim_tiles) {
+  if (config.claim_tiles && args.tile_counter == nullptr) {
     counter = zeros_like_device(like, {1}, ScalarType::Int);
     args.tile_counter = data_of<int32_t>(counter);
   }
@@ -141,16 +141,27 @@ void check_rows_ready(const std::optional<Tensor>& rows_ready, const std::option
 }
 
 void check_fc1_args(const Tensor& rows, const Tensor& w1, const Tensor& offsets,
-                    const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch, int64_t per_epoch) {
+                    const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch, int64_t per_epoch,
+                    const std::optional<Tensor>& tile_counter, bool overlap) {
   check_row_gemm_args(rows, w1, offsets, false);
   PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
   check_rows_ready(rows_ready, epoch, w1, per_epoch);
+  PRIMEMOE_CHECK(!overlap || rows_ready.has_value(),
+                 "overlap: only with rows_ready (the wait that orders FC1's reads after the dispatch's writes)");
+  if (tile_counter.has_value()) {
+    PRIMEMOE_CHECK(rows_ready.has_value(), "tile_counter: only meaningful together with rows_ready");
+    PRIMEMOE_CHECK(tile_counter->scalar_type() == ScalarType::Int && tile_counter->numel() == 1 &&
+                       tile_counter->is_contiguous(),
+                   "tile_counter: expected a 1-element int32 tensor (the Buffer's, zeroed by its dispatch)");
+    check_same_device(*tile_counter, rows, "tile_counter");
+  }
 }
 
 std::tuple<Tensor, Tensor> fc1_swiglu_cuda(const Tensor& rows, const Tensor& w1, const Tensor& offsets, bool keep_fc1,
                                            const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch,
-                                           int64_t per_epoch, int64_t rank, bool zero_unrouted) {
-  check_fc1_args(rows, w1, offsets, rows_ready, epoch, per_epoch);
+                                           int64_t per_epoch, int64_t rank, bool zero_unrouted,
+                                           const std::optional<Tensor>& tile_counter, bool overlap) {
+  check_fc1_args(rows, w1, offsets, rows_ready, epoch, per_epoch, tile_counter, overlap);
   const DeviceGuard guard(rows.get_device_index());
   const int64_t inter = w1.size(1) / 2;
   auto a = empty_like_device(rows, {rows.size(0), inter});
@@ -166,6 +177,9 @@ std::tuple<Tensor, Tensor> fc1_swiglu_cuda(const Tensor& rows, const Tensor& w1,
     g.hook.rank = static_cast<int32_t>(rank);
     g.hook.timeout_ns = wait_timeout_ns();
     g.error = error_record_for(rows);  // where a timed-out wait is reported
+    // The dispatch zeroed this counter: no fill kernel between it and this GEMM.
+    if (tile_counter.has_value()) g.tile_counter = data_of<int32_t>(*tile_counter);
+    g.programmatic = overlap;
   }
   run_gemm(g, rows, "fc1_swiglu");
   return {a, h};
@@ -251,8 +265,9 @@ std::string expert_gemm_unsupported_op(int64_t device, int64_t hidden, int64_t i
 const ArgCheckRegistration expert_gemm_check("expert_gemm", 4, 2, [](const OpArgs& a) {
   check_expert_gemm_args(a.tensor(0), a.tensor(1), a.tensor(2), a.integer(0) != 0, a.optional(3));
 });
-const ArgCheckRegistration fc1_check("fc1_swiglu", 5, 4, [](const OpArgs& a) {
-  check_fc1_args(a.tensor(0), a.tensor(1), a.tensor(2), a.optional(3), a.optional(4), a.integer(1));
+const ArgCheckRegistration fc1_check("fc1_swiglu", 6, 5, [](const OpArgs& a) {
+  check_fc1_args(a.tensor(0), a.tensor(1), a.tensor(2), a.optional(3), a.optional(4), a.integer(1), a.optional(5),
+                 a.integer(4) != 0);
 });
 const ArgCheckRegistration fc2_dgrad_check("fc2_dgrad_swiglu", 5, 1, [](const OpArgs& a) {
   check_fc2_dgrad_args(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4));

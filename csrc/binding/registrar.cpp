@@ -55,7 +55,8 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
       "bool zero_unrouted=True) -> Tensor");
   m.def(
       "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
-      "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True) -> (Tensor a, Tensor h)");
+      "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True, Tensor(t!)? tile_counter=None, "
+      "bool overlap=False) -> (Tensor a, Tensor h)");
   m.def(
       "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets, "
       "bool zero_unrouted=True) -> (Tensor dh, Tensor aw, Tensor dot)");

@@ -104,7 +104,7 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a) {
   GemmConfig config{};
   if (a.schedule != GemmSchedule::kRows) return config;
   const bool claimed = claimed_order_pays(a);
-  config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue) && claimed;
+  config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue) && (claimed || a.tile_counter != nullptr);
   config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major) && claimed && a.hook.counters == nullptr;
   return config;
 }
@@ -124,6 +124,7 @@ bool gemm_config_built(const GroupedGemmArgs& a, const GemmConfig& config) {
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& config, cudaStream_t stream) {
   using namespace sm90;
   if (config.claim_tiles && a.tile_counter == nullptr) return cudaErrorInvalidValue;
+  if (a.programmatic && a.hook.counters == nullptr) return cudaErrorInvalidValue;
   if (!gemm_config_built(a, config)) return cudaErrorNotSupported;
   GemmParams params{};
   params.args = a;
@@ -154,7 +155,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
 #define PRIMEMOE_LAUNCH(S, E, BK, CLAIM, MERGE)                                                          \
   if (a.schedule == GemmSchedule::S && a.epilogue == GemmEpilogue::E && a.b_k_major == BK &&            \
       config.claim_tiles == CLAIM && config.merge_tails == MERGE) {                                     \
-    return launch<GemmSchedule::S, GemmEpilogue::E, BK, CLAIM, MERGE>(params, grid, stream);           \
+    return launch<GemmSchedule::S, GemmEpilogue::E, BK, CLAIM, MERGE>(params, grid, a.programmatic, stream); \
   }
   PRIMEMOE_GEMM_VARIANT_LIST(PRIMEMOE_LAUNCH)
 #undef PRIMEMOE_LAUNCH

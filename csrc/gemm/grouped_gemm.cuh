@@ -82,8 +82,13 @@ struct GroupedGemmArgs {
   void* out_dh;
   float* out_dot;
   RowsReadyHook hook;
-  // Zero at launch where GemmConfig::claim_tiles is set (the tile claim counter), else unused.
+  // Zero at launch where GemmConfig::claim_tiles is set (the tile claim counter), else unused. Set by the caller
+  // (a dispatch zeroes it), the heuristics take the claimed order.
   int32_t* tile_counter;
+  // Launched programmatically dependent on the kernel before it on the stream (the dispatch's rows kernel): it starts
+  // while that kernel runs, its CTAs taking the SMs as they come free, and ends only after it. Only with the hook,
+  // whose waits order its reads of the rows after their writes.
+  bool programmatic;
   ErrorRecord* error;
   int32_t num_sms;
 };
@@ -113,8 +118,9 @@ constexpr bool gemm_merges_tails(GemmSchedule s, GemmEpilogue e, bool b_k_major)
 }
 
 // The heuristics: the claimed order where an expert's weights exceed 8 MiB (Qwen3-235B's; at Qwen3-30B's the static
-// order is level or faster) and there are more tiles than CTAs; 192-row tiles exactly there too, outside the
-// rows-ready hook (the expert-parallel path is not measured with them).
+// order is level or faster) and there are more tiles than CTAs, or where the caller gives the counter (a dispatch
+// zeroed it: the CTAs that start late, on SMs the dispatch held, take fewer tiles); 192-row tiles where the claimed
+// order pays, outside the rows-ready hook (the expert-parallel path is not measured with them).
 GemmConfig choose_gemm_config(const GroupedGemmArgs& args);
 
 // Whether a kernel is built for this variant and config (the generated list csrc/gemm/instantiations/variants.cuh).

@@ -21,6 +21,6 @@ struct GemmParams {
 // Defined for the variants of csrc/gemm/instantiations/variants.cuh (generated): Claim and Merge are the
 // GemmConfig the kernel is built for.
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool Claim, bool Merge>
-cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream);
+cudaError_t launch(const GemmParams& params, int grid, bool programmatic, cudaStream_t stream);
 
 }  // namespace primemoe::sm90

@@ -34,17 +34,6 @@ constexpr int kRowThreads = 512;
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kCopyUnroll = 8;
 
-// Blocks of the dispatch rows kernel that zero the padding rows instead of sending: one such block beside the
-// senders beats senders that zero after their sends, but it stores an order of magnitude slower than the senders
-// copy, so it is used only where there is padding (row_align > 1), the routed rows are at least 8x the padding
-// bound E_local * row_align (padding averages half of it), and from 16 blocks on (below, a sender is worth more
-// than the zeroing it would spare the others).
-int32_t dispatch_pad_blocks(const EpDispatchArgs& a) {
-  const int64_t routed_bound = a.num_tokens * a.cfg.top_k;
-  const int64_t padding_bound = int64_t(a.cfg.local_experts) * a.cfg.row_align;
-  return a.num_blocks >= 16 && a.cfg.row_align > 1 && routed_bound >= 8 * padding_bound ? 1 : 0;
-}
-
 // A warp copies one row: all its loads are issued before its (remote) stores, kCopyUnroll
 // 16-byte vectors per lane at a time, so the copy is bound by bandwidth, not load latency.
 __device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int vecs, int lane) {
@@ -126,52 +115,6 @@ __device__ __forceinline__ void warp_row_range(int32_t first, int32_t last, int3
   *end = min(last, *begin + per_warp);
 }
 
-// This rank's padding rows (each local expert's range rounded up to row_align) get zeros, source -1
-// and weight 0: no peer writes them, and the expert GEMMs reduce over whole tiles and read the weight
-// of every row in one, so stale data (NaN or Inf included) must not stay there (the expert GEMMs
-// come after this kernel on the stream).
-// The padding rows of all experts are numbered in one sequence dealt round-robin over the `warps`
-// zeroing warps. Dealt per expert instead, with fewer padding rows per expert (< row_align) than the
-// 256 warps of 16 blocks, all the zeroing (16-32 MiB) fell to the first few SMs, a tail after
-// everyone's sends.
-// Lane l looks up expert e0 + l's padding range, so a warp pays one memory latency per 32 experts.
-__device__ __forceinline__ void zero_padding(const EpDispatchArgs& a, int32_t warp, int32_t warps) {
-  const int E = a.cfg.local_experts, H = a.cfg.hidden, lane = threadIdx.x % 32;
-  __nv_bfloat16* recv_rows = region<__nv_bfloat16>(a.workspace, a.layout.recv_rows);
-  int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
-  float* recv_weights = region<float>(a.workspace, a.layout.recv_weights);
-  int32_t numbered = 0;  // padding rows of the experts before e0
-  for (int e0 = 0; e0 < E; e0 += 32) {
-    int32_t my_first = 0, my_rows = 0;
-    if (e0 + lane < E) {
-      my_first = a.expert_offsets[e0 + lane] + a.expert_counts[e0 + lane];
-      my_rows = a.expert_offsets[e0 + lane + 1] - my_first;
-    }
-    int32_t inclusive = my_rows;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, d);
-      if (lane >= d) inclusive += up;
-    }
-    const int32_t my_number = numbered + inclusive - my_rows;  // of the expert's first padding row
-    for (int i = 0; i < min(32, E - e0); ++i) {
-      const int32_t first = __shfl_sync(0xffffffffu, my_first, i);
-      const int32_t rows = __shfl_sync(0xffffffffu, my_rows, i);
-      const int32_t number = __shfl_sync(0xffffffffu, my_number, i);
-      for (int32_t j = (warp - number % warps + warps) % warps; j < rows; j += warps) {
-        const int64_t r = first + j;
-        uint4* row = reinterpret_cast<uint4*>(recv_rows + r * H);
-        for (int v = lane; v < H / kVec; v += 32) row[v] = make_uint4(0, 0, 0, 0);
-        if (lane == 0) {
-          recv_meta[r] = -1;
-          recv_weights[r] = 0.0f;
-        }
-      }
-    }
-    numbered += __shfl_sync(0xffffffffu, inclusive, 31);
-  }
-}
-
 __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   wait_for_previous_kernel();
   allow_next_kernel();
@@ -189,7 +132,10 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
 
   int32_t* my_row = matrix + int64_t(me) * W * E;
-  for (int i = threadIdx.x; i < W * E; i += blockDim.x) a.scratch.send_done[i] = 0;  // the rows kernel counts here
+  // The rows kernel counts here, and the GEMM that waits on this dispatch claims its tiles here.
+  for (int i = threadIdx.x; i < W * E; i += blockDim.x) a.scratch.send_done[i] = 0;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) a.scratch.pad_done[e] = 0;
+  if (threadIdx.x == 0) *a.scratch.tile_counter = 0;
   for (int p = 0; p < W; ++p) {
     const PeerWriter to(a.workspace, p, c);
     for (int i = threadIdx.x; i < W * E; i += blockDim.x) to.value(my_row + i, a.send_counts[i]);
@@ -251,11 +197,61 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
     if (dest == me && lane == 0) a.expert_offsets[E] = offset;
   }
   for (int src = threadIdx.x; src < W; src += blockDim.x) a.scratch.recv_from[src] = recv_rows_from[src];
+  __syncthreads();
+  // The send order (EpScratch::send_order): entry p = e (W + 1) + j is destination (me + 1 + j) % W's rows of
+  // expert e for j < W, this rank's padding rows of e for j = W; each thread scans a contiguous share of entries.
+  __shared__ int32_t share_sums[kThreads];
+  const int P = (W + 1) * E;
+  const int per_thread = (P + blockDim.x - 1) / blockDim.x;
+  const int p0 = min(P, int(threadIdx.x) * per_thread), p1 = min(P, p0 + per_thread);
+  auto entry_rows = [&](int p) {
+    const int e = p / (W + 1), j = p % (W + 1);
+    return j < W ? a.send_counts[((me + 1 + j) % W) * E + e] : a.expert_offsets[e + 1] - a.expert_offsets[e] -
+                                                                   a.expert_counts[e];
+  };
+  int32_t mine = 0;
+  for (int p = p0; p < p1; ++p) mine += entry_rows(p);
+  share_sums[threadIdx.x] = mine;
+  __syncthreads();
+  if (threadIdx.x < 32) {  // exclusive scan of the shares by warp 0, 32 shares per step
+    int32_t carried = 0;
+    for (int t0 = 0; t0 < int(blockDim.x); t0 += 32) {
+      const int32_t v = share_sums[t0 + lane];
+      int32_t inclusive = v;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d) inclusive += up;
+      }
+      share_sums[t0 + lane] = carried + inclusive - v;
+      carried += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+  }
+  __syncthreads();
+  int32_t start = share_sums[threadIdx.x];
+  for (int p = p0; p < p1; ++p) {
+    a.scratch.send_order[p] = start;
+    start += entry_rows(p);
+  }
+  if (p1 == P && p0 < p1) a.scratch.send_order[P] = start;
+  if (P == 0 && threadIdx.x == 0) a.scratch.send_order[0] = 0;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int32_t pad = a.expert_offsets[e + 1] - a.expert_offsets[e] - a.expert_counts[e];
+    a.scratch.pad_rows[e] = pad;
+    // An expert without padding rows has them all zeroed already.
+    if (pad == 0) nvshmemx_signal_op(arrivals + e, 1, NVSHMEM_SIGNAL_ADD, me);
+  }
   // A (destination, expert) pair this rank sends nothing to is complete already.
   for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
     if (a.send_counts[i] == 0) nvshmemx_signal_op(arrivals + i % E, 1, NVSHMEM_SIGNAL_ADD, i / E);
   }
 }
+
+// The send order's entries are at most W E_local + E_local (the binding's bound on W E_local).
+constexpr int kMaxSendOrder = 2 * kMaxExperts + 1;
+// Rows a warp takes at a time from the send order: the warps deal the order in 32-row chunks round-robin, so they
+// all work on the same few experts at any moment, in the GEMMs' order.
+constexpr int kChunkRows = 32;
 
 __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatchArgs a) {
   wait_for_previous_kernel();
@@ -264,83 +260,98 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
   const int W = c.world, E = c.local_experts, me = c.rank, H = c.hidden, K = c.top_k;
   const int lane = threadIdx.x % 32;
   const int64_t S = c.max_slots();
+  const int P = (W + 1) * E;
   __nv_bfloat16* recv_rows = region<__nv_bfloat16>(a.workspace, a.layout.recv_rows);
   int32_t* recv_meta = region<int32_t>(a.workspace, a.layout.recv_meta);
   float* recv_weights = region<float>(a.workspace, a.layout.recv_weights);
   uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
   __nv_bfloat16* stage_rows = region<__nv_bfloat16>(a.workspace, a.layout.stage_rows);  // by send row
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.x);
-  // The last pad_blocks blocks zero the padding rows while the others send: zeroing after the sends
-  // put those local stores (16-32 MiB) on every sending warp's path. With none, each warp zeroes its
-  // share of them after its sends.
-  const int32_t send_blocks = gridDim.x - a.pad_blocks;
-  if (int32_t(blockIdx.x) >= send_blocks) {
-    zero_padding(a, (blockIdx.x - send_blocks) * kRowWarps + threadIdx.x / 32, a.pad_blocks * kRowWarps);
-    return;
-  }
-  const int32_t warps = send_blocks * kRowWarps;
+  // The send order in shared memory: each lane finds its row's entry by a binary search in it.
+  __shared__ int32_t order[kMaxSendOrder];
+  for (int p = threadIdx.x; p <= P; p += blockDim.x) order[p] = a.scratch.send_order[p];
+  __syncthreads();
+  const int32_t total = order[P];
+  const int32_t warps = gridDim.x * kRowWarps;
   const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32;
 
-  int32_t run_g = -1;  // global expert of the current run of rows
+  int32_t run_p = -1;  // send-order entry of the current run of rows
   int32_t run_rows = 0;
-  // Rows of a run are visible on their destination before the run is counted there; the
-  // run that completes a (destination, expert) pair signals its arrival counter.
-  auto finish_run = [&](bool puts) {
+  PeerWriter to(a.workspace, me, c);  // the run's destination
+  // Rows of a run are visible on their destination before the run is counted there; the run that completes a
+  // (destination, expert) pair, or this rank's padding of an expert, signals the expert's arrival counter.
+  auto finish_run = [&]() {
     if (run_rows == 0) return;
-    publish_run(run_rows, &a.scratch.send_done[run_g], &a.send_counts[run_g], arrivals + run_g % E, 1,
-                NVSHMEM_SIGNAL_ADD, static_cast<int>(run_g / E), lane, puts);
+    const int e = run_p / (W + 1), j = run_p % (W + 1);
+    if (j < W) {
+      const int32_t g = to.pe * E + e;
+      publish_run(run_rows, &a.scratch.send_done[g], &a.send_counts[g], arrivals + e, 1, NVSHMEM_SIGNAL_ADD, to.pe,
+                  lane, to.puts());
+    } else {
+      publish_run(run_rows, &a.scratch.pad_done[e], &a.scratch.pad_rows[e], arrivals + e, 1, NVSHMEM_SIGNAL_ADD, me,
+                  lane, false);
+    }
     run_rows = 0;
   };
-  // The send rows are sorted by destination, so every warp takes its share of each destination's
-  // rows: all warps mix NVLink and local copies instead of some doing only the cheap local ones.
-  // The rotated start spreads the warps' traffic over the peers.
-  for (int step = 0; step < W; ++step) {
-    const int dest = (me + 1 + warp + step) % W;
-    const PeerWriter to(a.workspace, dest, c);
-    int32_t begin, end;
-    warp_row_range(a.send_offsets[dest * E], a.send_offsets[(dest + 1) * E], warp, warps, &begin, &end);
-    for (int32_t batch = begin; batch < end; batch += 32) {
-      // Lane l looks up row batch + l (slot, expert, position on the destination, weight), so the
-      // row loop below starts each copy without a chain of dependent loads.
-      const int32_t mine = batch + lane;
-      int32_t my_slot = 0;
-      int32_t my_g = 0;  // 32-bit expert and position: the kernel is at its 128-register limit
-      int32_t my_pos = 0;
-      float my_weight = 0.0f;
-      if (mine < end) {
-        my_slot = a.send_row_to_slot[mine];
-        my_g = static_cast<int32_t>(expert_id(a.topk_idx, a.idx_is_int64, my_slot));
-        my_pos = a.scratch.send_base[my_g] + (mine - a.send_offsets[my_g]);
-        my_weight = slot_weight(a.topk_weights, a.weight_type, my_slot);
+  for (int32_t chunk = warp * kChunkRows; chunk < total; chunk += warps * kChunkRows) {
+    // Lane l looks up row chunk + l: its entry, then (a routed row) its slot, position on the destination and
+    // weight, or (a padding row) its row here, so the row loop below starts each copy without dependent loads.
+    const int32_t v = chunk + lane;
+    int32_t my_p = 0, my_slot = -1, my_pos = 0;
+    if (v < total) {
+      int lo = 0, hi = P - 1;  // the last entry starting at or before v (it holds v: entries may be empty)
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (order[mid] <= v) lo = mid;
+        else hi = mid - 1;
       }
-      // The batch's scalars first, all lanes at once (positions of a run are consecutive, so the stores
-      // coalesce); they precede the publish of every run they belong to.
-      if (mine < end) {
-        to.value(recv_meta + my_pos, static_cast<int32_t>(me * S + my_slot));
-        to.value(recv_weights + my_pos, my_weight);
-      }
-      const int rows = min(32, end - batch);
-      for (int i = 0; i < rows; ++i) {
-        const int32_t slot = __shfl_sync(0xffffffffu, my_slot, i);
-        const int32_t g = __shfl_sync(0xffffffffu, my_g, i);
-        const int32_t pos = __shfl_sync(0xffffffffu, my_pos, i);
-        if (g != run_g) {
-          finish_run(to.puts());
-          run_g = g;
-        }
-        to.row(recv_rows + int64_t(pos) * H, x + int64_t(slot / K) * H, stage_rows + int64_t(batch + i) * H, H,
-               lane);
-        ++run_rows;
+      my_p = lo;
+      const int e = lo / (W + 1), j = lo % (W + 1);
+      const int32_t k = v - order[lo];
+      if (j < W) {
+        const int dest = (me + 1 + j) % W;
+        const int32_t g = dest * E + e;
+        my_slot = a.send_row_to_slot[a.send_offsets[g] + k];
+        my_pos = a.scratch.send_base[g] + k;
+        // The chunk's scalars first, all lanes at once; they precede the publish of every run they belong to.
+        const PeerWriter mine(a.workspace, dest, c);
+        mine.value(recv_meta + my_pos, static_cast<int32_t>(me * S + my_slot));
+        mine.value(recv_weights + my_pos, slot_weight(a.topk_weights, a.weight_type, my_slot));
+      } else {
+        my_pos = a.expert_offsets[e] + a.expert_counts[e] + k;
+        recv_meta[my_pos] = -1;
+        recv_weights[my_pos] = 0.0f;
       }
     }
-    finish_run(to.puts());
+    const int rows = min(kChunkRows, total - chunk);
+    for (int i = 0; i < rows; ++i) {
+      const int32_t p = __shfl_sync(0xffffffffu, my_p, i);
+      const int32_t slot = __shfl_sync(0xffffffffu, my_slot, i);
+      const int32_t pos = __shfl_sync(0xffffffffu, my_pos, i);
+      if (p != run_p) {
+        finish_run();
+        run_p = p;
+        const int j = p % (W + 1);
+        to = PeerWriter(a.workspace, j < W ? (me + 1 + j) % W : me, c);
+      }
+      if (slot >= 0) {
+        to.row(recv_rows + int64_t(pos) * H, x + int64_t(slot / K) * H, stage_rows + int64_t(chunk + i) * H, H,
+               lane);
+      } else {
+        // This rank's padding row (source -1 and weight 0 written above): zeros. The expert GEMMs reduce over whole
+        // tiles and read the weight of every row in one, so stale data (NaN or Inf included) must not stay there.
+        uint4* row = reinterpret_cast<uint4*>(recv_rows + int64_t(pos) * H);
+        for (int q = lane; q < H / kVec; q += 32) row[q] = make_uint4(0, 0, 0, 0);
+      }
+      ++run_rows;
+    }
   }
-  if (a.pad_blocks == 0) zero_padding(a, warp, warps);
+  finish_run();
 }
 
 __global__ void __launch_bounds__(kThreads) ep_wait_arrivals_kernel(EpDispatchArgs a) {
   wait_for_previous_kernel();
-  const uint64_t target = uint64_t(*a.epoch) * a.cfg.world;
+  const uint64_t target = uint64_t(*a.epoch) * ep_arrivals_per_epoch(a.cfg.world);
   const uint64_t* arrivals = region<uint64_t>(a.workspace, a.layout.expert_arrivals);
   for (int e = threadIdx.x; e < a.cfg.local_experts; e += blockDim.x)
     wait_at_least(arrivals + e, target, a.timeout_ns, a.error, a.cfg.rank, -1, e, kWaitArrivals);
@@ -413,8 +424,7 @@ __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs
 
 cudaError_t launch_ep_dispatch(const EpDispatchArgs& args, cudaStream_t stream) {
   if (args.cfg.hidden % kVec || args.num_blocks < 1) return cudaErrorInvalidValue;
-  EpDispatchArgs a = args;
-  a.pad_blocks = dispatch_pad_blocks(a);
+  const EpDispatchArgs& a = args;
   // Each kernel is chained to the one before it (the layout's placement kernel, for notify), so it is
   // launched while that one runs and starts the moment it ends.
   cudaError_t err = launch_chained(ep_notify_kernel, dim3(1), dim3(kThreads), 0, stream, a);

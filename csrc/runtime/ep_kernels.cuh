@@ -9,11 +9,12 @@
 // copied into the workspace's stage_rows. Signals go through nvshmemx_signal_op either way.
 //
 // dispatch = notify (bump epoch, publish send counts, wait for everyone's, compute
-//            the receive layout and where this rank's rows go on each peer)
-//          + rows (push each routed row, its slot and weight; count arrivals per
-//            (destination, expert) and signal `expert_arrivals` when one is complete;
-//            and write this rank's padding rows: zeros, source -1, weight 0, by one block
-//            meanwhile where the routed rows far outnumber them, else by every warp after its sends)
+//            the receive layout, where this rank's rows go on each peer, and the send order)
+//          + rows (push each routed row, its slot and weight, expert by expert in the order the expert
+//            GEMMs walk them: every sender finishes local expert e everywhere before e + 1; count arrivals
+//            per (destination, expert) and signal `expert_arrivals` when one is complete; zero this
+//            rank's padding rows of each expert in the same sequence and signal them too, so a GEMM that
+//            waits on `expert_arrivals` may run alongside this kernel)
 //          + wait (with wait_arrivals: until every local expert has heard from every
 //            source; the layer skips it and FC1's producer waits per expert instead)
 // combine  = push every received row back to its source's `combine_rows[slot]`,
@@ -30,11 +31,18 @@
 
 namespace primemoe {
 
-struct EpScratch {      // plain device memory, [W * E_local] / [W] ints, owned by the caller
+struct EpScratch {      // this rank's own part of the workspace (the scratch region's rows), never read remotely
   int32_t* send_base;   // [W][E_local] first row of this rank's rows in dest's receive region
   int32_t* send_done;   // [W][E_local] rows written so far (zeroed by the notify kernel)
   int32_t* recv_from;   // [W] rows this rank receives from each source (for combine)
   int32_t* combine_done;  // [W] rows pushed back so far (zeroed by the launcher)
+  // [(W + 1) E_local + 1] the rows kernel's work in the order it sends it, as the start of each entry in one
+  // sequence of rows: expert-major (all of local expert 0's rows, to every destination, then expert 1's, ...), per
+  // expert the destinations from this rank's next one on, then this rank's own padding rows of the expert.
+  int32_t* send_order;
+  int32_t* pad_rows;    // [E_local] this rank's padding rows of each local expert
+  int32_t* pad_done;    // [E_local] of them zeroed so far (zeroed by the notify kernel)
+  int32_t* tile_counter;  // the waiting GEMM's claimed-order counter (EpLayout::tile_counter), zeroed by notify
 };
 
 struct EpDispatchArgs {
@@ -56,10 +64,8 @@ struct EpDispatchArgs {
   int32_t* expert_counts;   // [E_local] out: rows received per local expert
   int32_t* expert_offsets;  // [E_local + 1] out: padded receive offsets
   int32_t num_blocks;
-  int32_t pad_blocks;  // set by the launcher: blocks of num_blocks that zero the padding rows
-  // false: the caller's GEMM waits per expert on expert_arrivals itself (its producer's hook). The
-  // padding rows are written by the rows kernel, complete only when it ends: a consumer must also come
-  // after it on the stream.
+  // false: the caller's GEMM waits per expert on expert_arrivals itself (its producer's hook), and may be
+  // launched programmatically dependent on this dispatch (launch_chained), to run alongside its rows kernel.
   bool wait_arrivals;
   uint64_t timeout_ns;
   ErrorRecord* error;

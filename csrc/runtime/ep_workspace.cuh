@@ -45,7 +45,9 @@ struct EpLayout {
   size_t recv_weights;     // float [max_recv_rows]: routing weight of the row's slot, 0 for padding rows
   size_t combine_rows;     // bf16 [max_slots, H]: result row of each of my slots, pushed by its expert rank
   size_t combine_scalars;  // float [max_slots]: per-slot scalar pushed with it (d_topk_weights in backward)
-  size_t scratch;          // int32 [4][W * E_local]: this rank's own bookkeeping (EpScratch), never read remotely
+  size_t scratch;          // int32 [6][(W + 1) * E_local + 1]: this rank's own bookkeeping (EpScratch), never read remotely
+  size_t tile_counter;     // int32 [1]: the claimed tile order's counter of the GEMM that waits on this dispatch, zeroed
+                           // by it (so no fill kernel separates the dispatch from that GEMM)
   // bf16 [max_recv_rows, H], empty unless put_peers: the local source of the rows put to peers. Last, so
   // the other offsets do not depend on put_peers.
   size_t stage_rows;
@@ -89,7 +91,17 @@ struct EpRegion {
   }
 };
 
-constexpr int kEpRegions = 11;
+constexpr int kEpRegions = 12;
+
+// expert_arrivals[e] grows by this much per dispatch: one signal per source rank once its rows of e have landed, and
+// one from this rank once e's padding rows are zeroed.
+PRIMEMOE_HOST_DEVICE constexpr int64_t ep_arrivals_per_epoch(int64_t world) { return world + 1; }
+
+// Entries of the dispatch's send order (EpScratch::send_order): per local expert, one per destination and one for this
+// rank's own padding of the expert.
+PRIMEMOE_HOST_DEVICE constexpr int64_t ep_send_order_entries(int64_t world, int64_t local_experts) {
+  return (world + 1) * local_experts;
+}
 
 // The regions in allocation order (EpLayout's fields), each starting 16-byte aligned after the previous one.
 inline std::array<EpRegion, kEpRegions> ep_regions(const EpConfig& c) {
@@ -104,7 +116,8 @@ inline std::array<EpRegion, kEpRegions> ep_regions(const EpConfig& c) {
       {"recv_weights", EpElement::kFloat32, 1, {R}, 0},
       {"combine_rows", EpElement::kBFloat16, 2, {S, H}, 0},
       {"combine_scalars", EpElement::kFloat32, 1, {S}, 0},
-      {"scratch", EpElement::kInt32, 2, {4, W * E}, 0},
+      {"scratch", EpElement::kInt32, 2, {6, ep_send_order_entries(W, E) + 1}, 0},
+      {"tile_counter", EpElement::kInt32, 1, {1}, 0},
       {"stage_rows", EpElement::kBFloat16, 2, {c.put_peers ? R : 0, H}, 0},
   }};
   size_t at = 0;
@@ -125,7 +138,7 @@ inline EpLayout ep_layout(const EpConfig& c) {
   EpLayout l{};
   size_t* fields[kEpRegions] = {&l.count_matrix, &l.count_flags,  &l.expert_arrivals, &l.combine_flags,
                                 &l.recv_rows,    &l.recv_meta,    &l.recv_weights,    &l.combine_rows,
-                                &l.combine_scalars, &l.scratch, &l.stage_rows};
+                                &l.combine_scalars, &l.scratch,  &l.tile_counter,    &l.stage_rows};
   for (int i = 0; i < kEpRegions; ++i) *fields[i] = r[i].offset;
   l.total = ep_total_bytes(r);
   return l;

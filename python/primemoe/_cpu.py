@@ -151,9 +151,10 @@ def expert_gemm(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=Tr
 
 @_cpu_kernel("fc1_swiglu")
 def fc1_swiglu(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, per_epoch=1, rank=0,
-               zero_unrouted=True):
+               zero_unrouted=True, tile_counter=None, overlap=False):
     """Every row is in memory already: the wait hook's arguments are checked, nothing waits."""
-    _check("fc1_swiglu", [rows, w1, expert_offsets, rows_ready, epoch], [keep_fc1, per_epoch, rank, zero_unrouted])
+    _check("fc1_swiglu", [rows, w1, expert_offsets, rows_ready, epoch, tile_counter],
+           [keep_fc1, per_epoch, rank, zero_unrouted, overlap])
     inter = w1.shape[1] // 2
     h = _expert_products(rows, w1, expert_offsets, False).to(torch.bfloat16)
     hf = h.float()

@@ -132,6 +132,21 @@ def _primemoe_moe(group, case, ctx) -> Callable:
     return partial(primemoe.moe, buffer=buffer, precision=case.precision)
 
 
+def _buffer_moe(overlap: bool):
+    def make(group, case, ctx) -> Callable:
+        """primemoe.moe(buffer=) at every EP, EP = 1 over a Buffer of one rank."""
+        import primemoe
+        return partial(primemoe.moe, buffer=ctx.buffer(precision=case.precision, overlap=overlap),
+                       precision=case.precision)
+    return make
+
+
+def _buffer_raw(overlap: bool):
+    def make(inp, group, case, ctx):
+        return _UserPath(_buffer_moe(overlap)(group, case, ctx), inp)
+    return make
+
+
 def _baseline_moe(group, case, ctx) -> Callable:
     from primemoe import baseline
     return partial(baseline.moe, group=group)
@@ -281,6 +296,10 @@ IMPLS = {
                      "dispatch/combine on the Buffer's default SMs); raw: torch.ops.primemoe.moe_forward / "
                      "moe_backward (EP>1: primemoe.moe(buffer=) alone, it has no other entry point)",
                      user=_primemoe_moe),
+    "buffer": Impl(_buffer_raw(True), ("bf16",), "primemoe.moe(buffer=primemoe.Buffer) at every EP (EP = 1: a Buffer "
+                   "of one rank), FC1 overlapped with the dispatch; raw: the same call", user=_buffer_moe(True)),
+    "buffer-seq": Impl(_buffer_raw(False), ("bf16",), "as buffer, with Buffer(overlap=False): dispatch, then FC1",
+                       user=_buffer_moe(False)),
     "reference": Impl(_reference_raw, ("bf16",), "pure-PyTorch loop over experts (fp32), autograd backward; "
                       "raw timing only", single_gpu="single GPU only"),
 }
@@ -538,35 +557,40 @@ class _ShapeContext:
     primemoe.Buffer (sized for the shape's largest token count, made on first use, remade when a case
     needs other arguments, closed with the shape)."""
 
+    # Buffers open at once: the buffer and buffer-seq implementations take turns.
+    MAX_BUFFERS = 2
+
     def __init__(self, args, group, shape: str, max_tokens: int):
         self.args, self.group, self.shape, self.max_tokens = args, group, shape, max_tokens
-        self._key = self._buffer = None
+        self._buffers = {}  # (precision, num_sms, overlap): open Buffer, in creation order
 
-    def buffer(self, precision: str = "bf16", num_sms: Optional[int] = None):
+    def buffer(self, precision: str = "bf16", num_sms: Optional[int] = None, overlap: bool = True):
         import primemoe
         from primemoe.buffer import (DEFAULT_NUM_SMS, EP_ROW_ALIGN, SYMMETRIC_HEAP_MARGIN, EpConfig, ep_layout,
                                      ep_transport)
         num_sms = num_sms or DEFAULT_NUM_SMS
-        if self._key != (precision, num_sms):
-            self.close()
-            world = dist.get_world_size(self.group)
-            # NVSHMEM sizes its heap when it starts: let that hold the run's largest workspace,
+        key = (precision, num_sms, overlap)
+        if key not in self._buffers:
+            if len(self._buffers) == self.MAX_BUFFERS:
+                self._buffers.pop(next(iter(self._buffers))).close()
+            group = self.group if self.group is not None else _single_rank_group()
+            world = dist.get_world_size(group)
+            # NVSHMEM sizes its heap when it starts: let that hold the run's largest workspaces,
             # whichever shape comes first (a value the user set is kept).
             puts = ep_transport(os.environ) == "put"
             largest = max(ep_layout(EpConfig(world, max(self.args.tokens), h, k, e // world, EP_ROW_ALIGN, puts))[1]
                           for h, _, e, k in (MODEL_SHAPES[s].dims for s in self.args.shapes) if e % world == 0)
-            os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(largest + SYMMETRIC_HEAP_MARGIN))
+            os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(self.MAX_BUFFERS * largest + SYMMETRIC_HEAP_MARGIN))
             hidden, inter, experts, top_k = MODEL_SHAPES[self.shape].dims
-            self._buffer = primemoe.Buffer(self.group, max_tokens_per_rank=self.max_tokens, hidden=hidden,
-                                           intermediate=inter, num_experts=experts, top_k=top_k,
-                                           precision=precision, num_sms=num_sms)
-            self._key = (precision, num_sms)
-        return self._buffer
+            self._buffers[key] = primemoe.Buffer(group, max_tokens_per_rank=self.max_tokens, hidden=hidden,
+                                                 intermediate=inter, num_experts=experts, top_k=top_k,
+                                                 precision=precision, num_sms=num_sms, overlap=overlap)
+        return self._buffers[key]
 
     def close(self) -> None:
-        if self._buffer is not None:
-            self._buffer.close()  # collective: every rank closes the shape's buffer together
-        self._key = self._buffer = None
+        for buffer in self._buffers.values():
+            buffer.close()  # collective: every rank closes the shape's buffers together
+        self._buffers = {}
 
 
 def _run_user(cases: list, inp: Inputs, args, group, flush_buf, ctx: _ShapeContext) -> dict:
@@ -668,6 +692,16 @@ def _gather(obj, group) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def _single_rank_group():
+    """The group of a Buffer at EP = 1: this process alone (gloo; NVSHMEM bootstraps over it)."""
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return dist.group.WORLD
 
 
 def _rank_world(group) -> tuple:

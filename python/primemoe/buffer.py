@@ -34,7 +34,8 @@ from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from ._constants import MAX_LOCAL_EXPERTS, layout_max_rows
 from ._validate import FP8_PRECISIONS, check_fp8_buffer, check_precision
 
-__all__ = ["Buffer", "EpConfig", "buffer_config", "ep_layout", "ep_region", "ep_transport", "nvshmem_environment"]
+__all__ = ["Buffer", "EpConfig", "buffer_config", "ep_arrivals_per_epoch", "ep_layout", "ep_region", "ep_transport",
+           "nvshmem_environment"]
 
 lib = torch.ops.primemoe
 
@@ -80,18 +81,26 @@ class EpConfig:
 _ELEMENT_DTYPES = {"int32": torch.int32, "uint64": torch.int64, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def _layout_text(config: EpConfig) -> List[List[str]]:
+    text = lib._ep_workspace_layout(config.world, config.max_tokens, config.hidden, config.top_k,
+                                    config.local_experts, config.row_align, config.put_peers)
+    return [line.split() for line in text.splitlines()]
+
+
+def ep_arrivals_per_epoch(config: EpConfig) -> int:
+    """What each expert's arrival counter gains per dispatch (``ep_arrivals_per_epoch`` of ep_workspace.cuh)."""
+    return next(int(fields[0]) for name, *fields in _layout_text(config) if name == "arrivals_per_epoch")
+
+
 def ep_layout(config: EpConfig) -> Tuple[Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]], int]:
     """``({name: (byte offset, dtype, shape)}, total bytes)`` of the workspace, in allocation order: the
     kernels' own layout (``ep_regions`` of csrc/runtime/ep_workspace.cuh, through ``_ep_workspace_layout``)."""
-    text = lib._ep_workspace_layout(config.world, config.max_tokens, config.hidden, config.top_k,
-                                    config.local_experts, config.row_align, config.put_peers)
     layout: Dict[str, Tuple[int, torch.dtype, Tuple[int, ...]]] = {}
     total = -1
-    for line in text.splitlines():
-        name, *fields = line.split()
+    for name, *fields in _layout_text(config):
         if name == "total":
             total = int(fields[0])
-        else:
+        elif name != "arrivals_per_epoch":
             element, offset, shape = fields
             layout[name] = (int(offset), _ELEMENT_DTYPES[element], tuple(int(n) for n in shape.split(",")))
     return layout, total
@@ -253,21 +262,25 @@ class Buffer:
     ``precision``: the one ``primemoe.moe(..., buffer=)`` runs with. "fp8" / "fp8_bwd" need ``hidden``,
     ``intermediate`` and ``row_align`` multiples of 128 (the FP8 layout); the rows still travel in bf16.
     ``num_sms``: SMs the dispatch/combine kernels use (``DEFAULT_NUM_SMS``).
+    ``overlap``: FC1 runs alongside the dispatch, each expert's tiles starting once its rows have landed
+    (True, the default); False runs them one after the other. Both give the same bits.
     Set from the peers and ``PRIMEMOE_EP_TRANSPORT`` (attributes, not arguments): ``put_peers``, some
     rank sends by NVSHMEM puts (another node, or ``put``), so the workspace has the staging region;
     ``force_put``, this rank sends to every other by puts.
     """
 
     def __init__(self, group, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
-                 precision="bf16", row_align=EP_ROW_ALIGN, num_sms=DEFAULT_NUM_SMS):
+                 precision="bf16", row_align=EP_ROW_ALIGN, num_sms=DEFAULT_NUM_SMS, overlap=True):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
         world = dist.get_world_size(group)
         arguments = dict(max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, intermediate=intermediate,
                          num_experts=num_experts, top_k=top_k, precision=precision, row_align=row_align,
-                         num_sms=num_sms)
+                         num_sms=num_sms, overlap=overlap)
         try:
             check_precision(precision)
+            if not isinstance(overlap, bool):
+                raise TypeError(f"overlap: expected a bool, got {type(overlap).__name__}")
             transport = ep_transport(os.environ)
             config = buffer_config(world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
                                    intermediate=intermediate, num_experts=num_experts, top_k=top_k,
@@ -297,6 +310,7 @@ class Buffer:
         self.precision = precision
         self.row_align = row_align
         self.num_sms = num_sms
+        self.overlap = overlap
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.force_put = force_put
 
@@ -314,6 +328,7 @@ class Buffer:
                 self.put_peers = _on_any_rank(group, lib._nvshmem_peers_need_put() or force_put)
                 config = replace(config, put_peers=self.put_peers)
                 layout, self.nbytes = ep_layout(config)
+                self.arrivals_per_epoch = ep_arrivals_per_epoch(config)
                 self.workspace = lib._ep_workspace_alloc(self.nbytes)
         except RuntimeError as error:
             if not _open_buffers:
@@ -350,13 +365,13 @@ class Buffer:
                                self.put_peers, self.force_put)
 
     def rows_ready(self):
-        """The GEMM wait hook for the last dispatch: ``(counters, epoch, per_epoch, rank)``; local expert
-        ``e``'s rows are all in ``recv_rows`` once ``counters[e] >= epoch * per_epoch``. Its padding rows
-        (zero data, source -1, weight 0) are written by the dispatch kernel, complete only when it ends:
-        they hold for work ordered after the dispatch on its stream (as the layer's GEMMs are), not as
-        soon as the counter is reached."""
+        """The GEMM wait hook for the last dispatch: ``(counters, epoch, per_epoch, rank, tile_counter)``; local
+        expert ``e``'s rows are all in ``recv_rows``, its padding rows too (zero data, source -1, weight 0), once
+        ``counters[e] >= epoch * per_epoch``. ``tile_counter``: a claimed-tile counter the dispatch zeroed, for the
+        one GEMM that waits on it."""
         self._check_open()
-        return self.region("expert_arrivals"), self.epoch, self.world, self.rank
+        return (self.region("expert_arrivals"), self.epoch, self.arrivals_per_epoch, self.rank,
+                self.region("tile_counter"))
 
     def combine(self, rows, expert_offsets, row_scalars=None) -> None:
         """Pushes each received row of ``rows`` ([max_recv_rows, H], receive layout) and of ``row_scalars``
@@ -397,4 +412,4 @@ class Buffer:
                 f"max_tokens_per_rank={self.max_tokens_per_rank}, hidden={self.hidden}, "
                 f"intermediate={self.intermediate}, num_experts={self.num_experts} "
                 f"({self.local_experts} local), top_k={self.top_k}, precision={self.precision!r}, "
-                f"row_align={self.row_align}, num_sms={self.num_sms}; {state})")
+                f"row_align={self.row_align}, num_sms={self.num_sms}, overlap={self.overlap}; {state})")

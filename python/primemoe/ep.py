@@ -96,6 +96,7 @@ class BufferTransport:
     def __init__(self, buffer, topk_idx):
         self.buffer, self.topk_idx = buffer, topk_idx
         self.row_align = buffer.row_align
+        self.overlap = buffer.overlap
         self.counts = self.offsets = self.slot_valid = None
 
     def dispatch(self, src, topk_weights, *, wait=True):

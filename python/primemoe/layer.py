@@ -124,13 +124,18 @@ def engine_supports(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return x.is_cuda and _engine_unsupported(x.device.index, x.shape[1], w1.shape[1] // 2) == ""
 
 
-def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None):
+def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, overlap=False):
     """FC1 + SwiGLU per expert over the expert-major rows: ``(a, h or an empty [0, 2I])``.
-    ``rows_ready`` (engine only): ``(counters, epoch, per_epoch, rank)``: FC1's producer waits for
-    ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows. Rows past
-    ``offsets[-1]`` of the outputs are left undefined (here and below)."""
+    ``rows_ready`` (engine only): ``(counters, epoch, per_epoch, rank, tile_counter)``: FC1's producer waits for
+    ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows; ``overlap``: FC1 starts while the
+    dispatch that made ``xs`` still runs (it must be the last thing on the stream). Rows past ``offsets[-1]`` of the
+    outputs are left undefined (here and below)."""
     if engine:
-        return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, *(rows_ready or ()), zero_unrouted=False)
+        if rows_ready is None:
+            return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, zero_unrouted=False)
+        counters, epoch, per_epoch, rank, tile_counter = rows_ready
+        return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, counters, epoch, per_epoch, rank, zero_unrouted=False,
+                              tile_counter=tile_counter, overlap=overlap)
     return _fallback.fc1(xs, w1, offsets, keep_fc1)
 
 
@@ -250,7 +255,8 @@ class LocalTransport:
     - ``row_align``: each expert's rows start at a multiple of it (the engine needs ``ROW_ALIGN``'s);
     - ``zero_fc1_out_tail``: zero the rows of ``fc1_out`` past the routed ones (it leaves the layer);
     - ``dispatch(src, topk_weights, wait=)`` -> ``(rows, expert_counts, expert_offsets)``: ``src``'s rows
-      (``x`` or ``dy``) in expert-major order; ``rows_ready()``: FC1's wait hook (or None);
+      (``x`` or ``dy``) in expert-major order; ``rows_ready()``: FC1's wait hook (or None); ``overlap``: with the
+      hook, FC1 runs alongside a dispatch that does not wait (else after one that does);
     - ``row_weight(topk_weights)``: each row's routing weight, fp32, 0 on padding rows;
     - ``combine(rows, row_scalars=None)`` -> ``(out [T, H], slot scalars fp32 [T, K] or None)``;
     - ``save_rows(rows)``: what the forward keeps of its rows for the backward (None: nothing), and
@@ -260,6 +266,7 @@ class LocalTransport:
     """
 
     zero_fc1_out_tail = True  # moe_forward returns fc1_out: no row of it is left undefined
+    overlap = False
 
     def __init__(self, topk_idx, num_experts, row_align=ROW_ALIGN):
         self.topk_idx, self.num_experts = topk_idx, num_experts
@@ -326,10 +333,11 @@ def forward(transport, x, topk_weights, w1, w2, *, keep_fc1=True, save_rows=Fals
     engine = _use_engine(engine, x, w1, transport)
     if transport.idle:
         return x.new_zeros(x.shape), x.new_zeros(transport.num_rows if keep_fc1 else 0, w1.shape[1]), None
-    # wait=False with the engine: FC1's producer waits for each expert's rows itself (the arrival
-    # counters), so its tiles start as soon as their expert's rows have landed.
-    xs, _, offsets = transport.dispatch(x, topk_weights, wait=not engine)
-    a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, transport.rows_ready() if engine else None)
+    # Overlapped (the engine): the dispatch does not wait, and FC1's producer waits for each expert's rows itself
+    # (the arrival counters), so its tiles start as soon as their expert's rows have landed.
+    overlap = bool(engine) and transport.overlap
+    xs, _, offsets = transport.dispatch(x, topk_weights, wait=not overlap)
+    a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, transport.rows_ready() if engine else None, overlap)
     if keep_fc1 and transport.zero_fc1_out_tail:
         lib.zero_unrouted_rows(h, offsets)
     o = expert_fc2(a, w2, offsets, transport.row_weight(topk_weights), engine)

@@ -103,7 +103,7 @@ def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrou
 
 @torch.library.register_fake("primemoe::fc1_swiglu")
 def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, per_epoch=1, rank=0,
-                     zero_unrouted=True):
+                     zero_unrouted=True, tile_counter=None, overlap=False):
     inter = w1.shape[1] // 2
     return rows.new_empty(rows.shape[0], inter), rows.new_empty(rows.shape[0] if keep_fc1 else 0, 2 * inter)
 

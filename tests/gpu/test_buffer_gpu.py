@@ -94,7 +94,7 @@ def test_one_rank_create_close_recreate(tmp_path, monkeypatch):
     (result,) = run_ranks(tmp_path, monkeypatch, single_rank_lifecycle, 1, str(problem_path))
     check_against_reference(Outputs(**result["attempt0"]), problem)
     check_against_reference(Outputs(**result["recompute_fc1"]), problem)
-    for again in ("attempt1", "context_manager", "left_open"):
+    for again in ("attempt1", "context_manager", "left_open", "sequential"):
         assert_equal(result[again], result["attempt0"], f"{again} vs the first Buffer")
 
 
@@ -318,7 +318,7 @@ def run_moe_cases(tmp_path_factory, world, transport):
              if name in run["names"]}
     graph_tokens = GRAPH_TOKENS[world]
     data = dict(
-        cases=cases, repeat=run["repeat"], layered=run["layered"], replays=run["replays"],
+        cases=cases, repeat=run["repeat"], layered=run["layered"], replays=run["replays"], sequential=run["names"],
         graph=dict(static=moe_problem(graph_tokens, "uniform", seed=6),
                    replays=[moe_problem(graph_tokens, routing, seed) for seed, routing in run["replays"]]),
         sizes=buffer_sizes(make_problem(1, *SHAPE), world,
@@ -353,6 +353,18 @@ def test_moe_with_buffer_repeats_bitwise(moe_run):
     data, per_rank = moe_run
     for rank, results in enumerate(per_rank):
         assert_equal(results["repeat"], results[data["repeat"]], f"rank {rank}: a repeated call")
+
+
+@pytest.mark.gpu
+@pytest.mark.ep
+@pytest.mark.parametrize("moe_run", each_moe_run(), indirect=True)
+def test_overlapped_equals_sequential_bitwise(moe_run):
+    """Buffer(overlap=True) (FC1 alongside the dispatch) against overlap=False (FC1 after it): the same bits."""
+    data, per_rank = moe_run
+    for rank, results in enumerate(per_rank):
+        assert set(results["sequential"]) == set(data["sequential"])
+        for name, sequential in results["sequential"].items():
+            assert_equal(results[name], sequential, f"rank {rank}: {name} overlapped vs sequential")
 
 
 @pytest.mark.gpu

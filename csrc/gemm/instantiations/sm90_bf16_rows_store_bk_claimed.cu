@@ -4,5 +4,5 @@
 
 namespace primemoe::sm90 {
 template cudaError_t launch<GemmSchedule::kRows, GemmEpilogue::kStore, true, true, false>(
-    const GemmParams&, int, cudaStream_t);
+    const GemmParams&, int, bool, cudaStream_t);
 }  // namespace primemoe::sm90

@@ -11,6 +11,7 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "../../kernels/chained_launch.cuh"
 #include "consumer.cuh"
 #include "producer.cuh"
 
@@ -62,7 +63,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       activation_warps(p, smem, ptid);
       return;
     }
-    if (ptid >= 1) return;
+    if (ptid >= 1) {
+      // Launched programmatically (GroupedGemmArgs::programmatic), the kernel ends only after the one before it:
+      // what follows on the stream may rely on both. A no-op otherwise.
+      wait_for_previous_kernel();
+      return;
+    }
     TileWalker<S, E, Merge> walker(p.args);
     tma_producer<S, E, BKMajor, Claim, Merge>(p, smem, walker, tiles);
     return;
@@ -73,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 }
 
 template <GemmSchedule S, GemmEpilogue E, bool BKMajor, bool Claim, bool Merge>
-cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
+cudaError_t launch(const GemmParams& params, int grid, bool programmatic, cudaStream_t stream) {
   static_assert(kSmemBytes<S, E> <= 227 * 1024, "shared memory ring too large");
   auto kernel = grouped_gemm_kernel<S, E, BKMajor, Claim, Merge>;
   int device = 0;
@@ -86,6 +92,7 @@ cudaError_t launch(const GemmParams& params, int grid, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     smem_set_on[device].store(true, std::memory_order_release);
   }
+  if (programmatic) return launch_chained(kernel, dim3(grid), dim3(kThreads), kSmemBytes<S, E>, stream, params);
   kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(params);
   return cudaGetLastError();
 }
