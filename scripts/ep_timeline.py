@@ -1,0 +1,105 @@
+"""Per-kernel timeline of one forward+backward of primemoe.moe on this GPU: the local path and the Buffer path (EP = 1,
+a Buffer of one rank) with overlap on and off, from torch.profiler's CUDA activities. Shows where the Buffer path's
+time goes and whether FC1 really runs alongside the dispatch (its start before the dispatch's end).
+
+    python scripts/ep_timeline.py [--shapes qwen3-30b-a3b ...] [--tokens 16384] [--out timeline.json]
+
+Prints, per (shape, path), each kernel's start and end in microseconds from the first kernel's start, its stream and a
+short name, then the forward and backward spans; --out writes the same as JSON."""
+
+import argparse
+import json
+import re
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import primemoe
+from primemoe.bench import _single_rank_group, make_inputs
+from primemoe.shapes import MODEL_SHAPES
+
+SHORT_NAMES = [  # (pattern in the kernel's name, short name), first match wins
+    ("ep_notify", "dispatch.notify"), ("ep_dispatch_rows", "dispatch.rows"), ("ep_wait_arrivals", "dispatch.wait"),
+    ("ep_combine_rows", "combine.rows"), ("ep_wait_combine", "combine.wait"), ("combine_reduce", "combine_reduce"),
+    ("dispatch_layout", "layout"), ("gather_rows", "gather_rows"), ("copy_routed", "copy_routed_rows"),
+]
+
+
+GEMMS = {("0", "1"): "gemm.fc1_swiglu", ("0", "2"): "gemm.fc2_dgrad_swiglu", ("0", "0"): "gemm.rows",
+         ("1", "0"): "gemm.wgrad"}
+
+
+def short(name: str) -> str:
+    if "grouped_gemm_kernel" in name:  # demangled "(primemoe::GemmSchedule)0", or mangled "GemmScheduleE0"
+        schedule = re.search(r"GemmSchedule\)?E?(\d)", name)
+        epilogue = re.search(r"GemmEpilogue\)?E?(\d)", name)
+        key = (schedule.group(1), epilogue.group(1)) if schedule and epilogue else None
+        return GEMMS.get(key, "gemm")
+    for pattern, label in SHORT_NAMES:
+        if pattern in name:
+            return label
+    return re.sub(r"\(.*", "", name)[:48]
+
+
+def timeline(fn, dy):
+    for _ in range(3):
+        y = fn()
+        torch.autograd.grad(y, fn.leaves, dy)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.record_function("forward"):
+            y = fn()
+        with torch.profiler.record_function("backward"):
+            torch.autograd.grad(y, fn.leaves, dy)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    t0 = min(e.time_range.start for e in kernels)
+    rows = sorted(((e.time_range.start - t0, e.time_range.end - t0, getattr(e, "device_resource_id", 0),
+                    short(e.name)) for e in kernels), key=lambda r: r[0])
+    return rows
+
+
+class Moe:
+    def __init__(self, inp, buffer):
+        self.inp, self.buffer = inp, buffer
+        self.leaves = [t.detach().clone().requires_grad_() for t in (inp.x, inp.topk_weights, inp.w1, inp.w2)]
+
+    def __call__(self):
+        x, tw, w1, w2 = self.leaves
+        return primemoe.moe(x, self.inp.topk_idx, tw, w1, w2, buffer=self.buffer)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "qwen3-235b-a22b"], choices=MODEL_SHAPES)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--out")
+    args = p.parse_args()
+    device = torch.device("cuda", 0)
+    group = _single_rank_group()
+    results = {}
+    for shape in args.shapes:
+        hidden, inter, experts, top_k = MODEL_SHAPES[shape].dims
+        inp = make_inputs(shape, args.tokens, 0, 1, device, 0)
+        paths = {"local": None}
+        for overlap in (True, False):
+            paths[f"buffer overlap={overlap}"] = primemoe.Buffer(
+                group, max_tokens_per_rank=args.tokens, hidden=hidden, intermediate=inter, num_experts=experts,
+                top_k=top_k, overlap=overlap)
+        for path, buffer in paths.items():
+            rows = timeline(Moe(inp, buffer), inp.dy)
+            results[f"{shape} {path}"] = rows
+            print(f"\n== {shape} T={args.tokens} {path}: {rows[-1][1]:.0f} us in all")
+            for start, end, stream, name in rows:
+                if end - start >= 2:
+                    print(f"{start:9.0f} {end:9.0f} {end - start:8.0f}  s{stream:<3} {name}")
+        for buffer in paths.values():
+            if buffer is not None:
+                buffer.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
