@@ -50,6 +50,14 @@ def test_dry_run_lists_cases():
     assert by_label["qwen3-30b-a3b T=8192 EP=2 bf16 baseline"].endswith("run")
 
 
+def test_dry_run_buffer_impls_run_at_ep1():
+    out = _run_bench("--dry-run", "--shapes", "qwen3-30b-a3b", "--tokens", "4096", "--ep", "1", "2",
+                     "--impl", "primemoe", "buffer", "buffer-seq")
+    assert out.returncode == 0, out.stderr
+    cases = [line.strip() for line in out.stdout.splitlines()[1:-1]]
+    assert len(cases) == 6 and all(c.endswith("run") for c in cases)
+
+
 def test_dry_run_options():
     out = _run_bench("--dry-run", "--shapes", "deepseek-v3", "--tokens", "16", "32", "--ep", "1",
                      "--impl", "reference", "baseline", "--precision", "bf16", "fp8", "--skip-reference-above", "32")

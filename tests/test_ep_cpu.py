@@ -95,6 +95,8 @@ class ModelBuffer:
         rows.fill_(float("nan"))
         meta.copy_(torch.randint(0, self.world * S, meta.shape, generator=self.gen))  # stale
         weights.fill_(float("nan"))
+        self_rows = self.regions["self_rows"]
+        self_rows.copy_(torch.randint(0, self.max_recv_rows, self_rows.shape, generator=self.gen))  # stale
         counts, offsets, at = [], [0], 0
         for e in range(E_local):
             begin = at
@@ -104,6 +106,8 @@ class ModelBuffer:
                 rows[at:at + n] = x_src[slots // K]
                 meta[at:at + n] = (src * S + slots).int()
                 weights[at:at + n] = w_src.reshape(-1)[slots].float()
+                if src == self.rank:  # where the combine leaves this rank's own rows
+                    self_rows[slots] = torch.arange(at, at + n, dtype=torch.int32)
                 at += n
             counts.append(at - begin)
             padded = begin + (at - begin + self.row_align - 1) // self.row_align * self.row_align
@@ -126,10 +130,11 @@ class ModelBuffer:
         combine_rows, combine_scalars = self.regions["combine_rows"], self.regions["combine_scalars"]
         combine_rows.fill_(float("nan"))  # slots that were not routed hold stale data
         combine_scalars.fill_(float("nan"))
-        for rows_src, scalars_src, meta_src in everything:
+        for expert_rank, (rows_src, scalars_src, meta_src) in enumerate(everything):
             mine = (meta_src >= 0) & (meta_src.long() // S == self.rank)
             slots = meta_src[mine].long() % S
-            combine_rows[slots] = rows_src[mine]
+            if expert_rank != self.rank:  # this rank's own rows stay in `rows` (self_rows)
+                combine_rows[slots] = rows_src[mine]
             if scalars_src is not None:
                 combine_scalars[slots] = scalars_src[mine]
 

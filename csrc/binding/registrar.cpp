@@ -40,7 +40,8 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   m.def(
       "gather_rows(Tensor src, Tensor row_to_slot, int top_k, Tensor? scale, Tensor? slot_to_row=None, "
       "Tensor? expert_offsets=None) -> Tensor");
-  m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights) -> Tensor");
+  // slot_to_row: r >= 0 a row of rows, -1 none, r <= -2 row -2 - r of local_rows.
+  m.def("combine_reduce(Tensor rows, Tensor slot_to_row, Tensor? weights, Tensor? local_rows=None) -> Tensor");
   m.def("slot_dot(Tensor a, Tensor b, Tensor slot_to_row) -> Tensor");
   // out[i] = values[index[i]] in fp32, 0 where index[i] is not an index of values.
   m.def("gather_scalars(Tensor values, Tensor index) -> Tensor");

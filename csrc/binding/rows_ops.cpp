@@ -60,7 +60,8 @@ Tensor gather_rows_cuda(const Tensor& src, const Tensor& row_to_slot, int64_t to
   return dst;
 }
 
-void check_combine_args(const Tensor& rows, const Tensor& slot_to_row, const std::optional<Tensor>& w) {
+void check_combine_args(const Tensor& rows, const Tensor& slot_to_row, const std::optional<Tensor>& w,
+                        const std::optional<Tensor>& local_rows) {
   check_rows(rows, "rows");
   check_index(slot_to_row, "slot_to_row", 2);
   scale_type_of(w, "weights");
@@ -68,14 +69,22 @@ void check_combine_args(const Tensor& rows, const Tensor& slot_to_row, const std
     PRIMEMOE_CHECK(same_shape(w->sizes(), slot_to_row.sizes()), "weights: expected shape ", slot_to_row.sizes(), ", got ",
                 w->sizes());
   }
+  if (local_rows.has_value()) {
+    check_rows(*local_rows, "local_rows");
+    check_same_device(*local_rows, rows, "local_rows");
+    PRIMEMOE_CHECK(local_rows->size(1) == rows.size(1), "local_rows: expected ", rows.size(1), " columns, got ",
+                   local_rows->size(1));
+  }
 }
 
-Tensor combine_reduce_cuda(const Tensor& rows, const Tensor& slot_to_row, const std::optional<Tensor>& weights) {
-  check_combine_args(rows, slot_to_row, weights);
+Tensor combine_reduce_cuda(const Tensor& rows, const Tensor& slot_to_row, const std::optional<Tensor>& weights,
+                           const std::optional<Tensor>& local_rows) {
+  check_combine_args(rows, slot_to_row, weights, local_rows);
   const DeviceGuard guard(rows.get_device_index());
   auto y = empty_like_device(rows, {slot_to_row.size(0), rows.size(1)});
   CombineReduceArgs a{};
   a.rows = rows.data_ptr();
+  a.local_rows = local_rows.has_value() ? local_rows->data_ptr() : nullptr;
   a.slot_to_row = data_of<int32_t>(slot_to_row);
   a.weight_type = scale_type_of(weights, "weights");
   a.weights = weights.has_value() ? weights->data_ptr() : nullptr;
@@ -183,8 +192,8 @@ void zero_unrouted_rows_cuda(Tensor& rows, const Tensor& offsets) {
 const ArgCheckRegistration gather_check("gather_rows", 5, 1, [](const OpArgs& a) {
   check_gather_args(a.tensor(0), a.tensor(1), a.integer(0), a.optional(2), a.optional(3), a.optional(4));
 });
-const ArgCheckRegistration combine_check("combine_reduce", 3, 0, [](const OpArgs& a) {
-  check_combine_args(a.tensor(0), a.tensor(1), a.optional(2));
+const ArgCheckRegistration combine_check("combine_reduce", 4, 0, [](const OpArgs& a) {
+  check_combine_args(a.tensor(0), a.tensor(1), a.optional(2), a.optional(3));
 });
 const ArgCheckRegistration slot_dot_check("slot_dot", 3, 0, [](const OpArgs& a) {
   check_slot_dot_args(a.tensor(0), a.tensor(1), a.tensor(2));

@@ -128,6 +128,7 @@ __global__ void __launch_bounds__(kWarpThreads, kScaled ? 2 : 4) gather_rows_ker
 __global__ void __launch_bounds__(kWarpThreads, 3) combine_reduce_kernel(CombineReduceArgs a) {
   const int vecs = a.hidden / kVec, K = a.top_k, lane = threadIdx.x % 32;
   const uint4* rows = static_cast<const uint4*>(a.rows);
+  const uint4* local_rows = static_cast<const uint4*>(a.local_rows);
   for (int64_t t = global_warp(); t < a.num_tokens; t += grid_warps()) {
     const int32_t* slot_rows = a.slot_to_row + t * K;
     uint4* y = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.y) + t * a.hidden);
@@ -140,9 +141,9 @@ __global__ void __launch_bounds__(kWarpThreads, 3) combine_reduce_kernel(Combine
 #pragma unroll
         for (int j = 0; j < kSlotsInFlight; ++j) {
           const int32_t row = k0 + j < K ? slot_rows[k0 + j] : -1;
-          has[j] = row >= 0;
+          has[j] = row >= 0 || (row <= -2 && local_rows != nullptr);
           if (has[j]) {
-            buf[j] = rows[int64_t(row) * vecs + v];
+            buf[j] = row >= 0 ? rows[int64_t(row) * vecs + v] : local_rows[int64_t(-2 - row) * vecs + v];
             w[j] = load_scale(a.weights, a.weight_type, t * K + k0 + j);
           }
         }

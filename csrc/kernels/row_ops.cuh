@@ -28,9 +28,11 @@ struct GatherRowsArgs {
   int32_t top_k;
 };
 
-// y[t] = sum_k weight[t,k] * rows[slot_to_row[t*K+k]] over slots with a row.
+// y[t] = sum_k weight[t,k] * row(slot_to_row[t*K+k]) over slots with a row: row(r) = rows[r] for r >= 0,
+// local_rows[-2 - r] for r <= -2 (the expert-parallel combine's rows that never left this GPU), none for -1.
 struct CombineReduceArgs {
   const void* rows;  // [R, H] bf16
+  const void* local_rows;  // [R', H] bf16 or null (then every r < 0 is "none")
   const int32_t* slot_to_row;
   const void* weights;  // [T*K] or null for weight 1
   ScaleType weight_type;

@@ -317,6 +317,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
         const PeerWriter mine(a.workspace, dest, c);
         mine.value(recv_meta + my_pos, static_cast<int32_t>(me * S + my_slot));
         mine.value(recv_weights + my_pos, slot_weight(a.topk_weights, a.weight_type, my_slot));
+        if (dest == me) region<int32_t>(a.workspace, a.layout.self_rows)[my_slot] = my_pos;
       } else {
         my_pos = a.expert_offsets[e] + a.expert_counts[e] + k;
         recv_meta[my_pos] = -1;
@@ -404,7 +405,8 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
       }
       const int32_t slot = meta % S;
       const int64_t row = batch + i;
-      to.row(combine_rows + int64_t(slot) * H, rows_in + row * H, stage_rows + row * H, H, lane);
+      // A row of this rank's own slot stays in `rows`: combine_reduce reads it there (self_rows).
+      if (src != me) to.row(combine_rows + int64_t(slot) * H, rows_in + row * H, stage_rows + row * H, H, lane);
       if (lane == i && a.row_scalars != nullptr) to.value(combine_scalars + slot, my_scalar);
       ++run_rows;
     }

@@ -17,8 +17,9 @@
 //            waits on `expert_arrivals` may run alongside this kernel)
 //          + wait (with wait_arrivals: until every local expert has heard from every
 //            source; the layer skips it and FC1's producer waits per expert instead)
-// combine  = push every received row back to its source's `combine_rows[slot]`,
-//            signal each source when its rows are done, wait for all sources.
+// combine  = push every received row back to its source's `combine_rows[slot]` (a row of this rank's own
+//            slot stays where it is: the dispatch noted its place in `self_rows`), signal each source when
+//            its rows are done, wait for all sources.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -45,6 +45,8 @@ struct EpLayout {
   size_t recv_weights;     // float [max_recv_rows]: routing weight of the row's slot, 0 for padding rows
   size_t combine_rows;     // bf16 [max_slots, H]: result row of each of my slots, pushed by its expert rank
   size_t combine_scalars;  // float [max_slots]: per-slot scalar pushed with it (d_topk_weights in backward)
+  size_t self_rows;        // int32 [max_slots]: receive row of each of my slots routed to my own experts (written by
+                           // the dispatch, undefined for the others): the combine leaves those rows where they are
   size_t scratch;          // int32 [6][(W + 1) * E_local + 1]: this rank's own bookkeeping (EpScratch), never read remotely
   size_t tile_counter;     // int32 [1]: the claimed tile order's counter of the GEMM that waits on this dispatch, zeroed
                            // by it (so no fill kernel separates the dispatch from that GEMM)
@@ -91,7 +93,7 @@ struct EpRegion {
   }
 };
 
-constexpr int kEpRegions = 12;
+constexpr int kEpRegions = 13;
 
 // expert_arrivals[e] grows by this much per dispatch: one signal per source rank once its rows of e have landed, and
 // one from this rank once e's padding rows are zeroed.
@@ -116,6 +118,7 @@ inline std::array<EpRegion, kEpRegions> ep_regions(const EpConfig& c) {
       {"recv_weights", EpElement::kFloat32, 1, {R}, 0},
       {"combine_rows", EpElement::kBFloat16, 2, {S, H}, 0},
       {"combine_scalars", EpElement::kFloat32, 1, {S}, 0},
+      {"self_rows", EpElement::kInt32, 1, {S}, 0},
       {"scratch", EpElement::kInt32, 2, {6, ep_send_order_entries(W, E) + 1}, 0},
       {"tile_counter", EpElement::kInt32, 1, {1}, 0},
       {"stage_rows", EpElement::kBFloat16, 2, {c.put_peers ? R : 0, H}, 0},
@@ -138,7 +141,8 @@ inline EpLayout ep_layout(const EpConfig& c) {
   EpLayout l{};
   size_t* fields[kEpRegions] = {&l.count_matrix, &l.count_flags,  &l.expert_arrivals, &l.combine_flags,
                                 &l.recv_rows,    &l.recv_meta,    &l.recv_weights,    &l.combine_rows,
-                                &l.combine_scalars, &l.scratch,  &l.tile_counter,    &l.stage_rows};
+                                &l.combine_scalars, &l.self_rows, &l.scratch,  &l.tile_counter,
+                                &l.stage_rows};
   for (int i = 0; i < kEpRegions; ++i) *fields[i] = r[i].offset;
   l.total = ep_total_bytes(r);
   return l;

@@ -78,18 +78,24 @@ def gather_rows(src, row_to_slot, top_k, scale, slot_to_row=None, expert_offsets
     return torch.where(valid.unsqueeze(1), rows, rows.new_zeros(())).to(src.dtype)
 
 
-def _slot_rows(rows, slot_to_row):
-    """Rows of the slots, [T, K, H] in fp32, zero where a slot has no row."""
+def _slot_rows(rows, slot_to_row, local_rows=None):
+    """Rows of the slots, [T, K, H] in fp32, zero where a slot has no row; ``local_rows[-2 - r]`` for r <= -2."""
     valid = (slot_to_row >= 0).unsqueeze(-1)
     index = slot_to_row.clamp_min(0).reshape(-1).long()
     taken = rows.index_select(0, index).float().view(slot_to_row.shape[0], slot_to_row.shape[1], rows.shape[1])
-    return torch.where(valid, taken, taken.new_zeros(()))
+    taken = torch.where(valid, taken, taken.new_zeros(()))
+    if local_rows is None:  # every negative entry is "no row"
+        return taken
+    local = (slot_to_row <= -2).unsqueeze(-1)
+    index = (-2 - slot_to_row).clamp_min(0).reshape(-1).long()
+    from_local = local_rows.index_select(0, index).float().view(taken.shape)
+    return torch.where(local, from_local, taken)
 
 
 @_cpu_kernel("combine_reduce")
-def combine_reduce(rows, slot_to_row, weights):
-    _check("combine_reduce", [rows, slot_to_row, weights])
-    taken = _slot_rows(rows, slot_to_row)
+def combine_reduce(rows, slot_to_row, weights, local_rows=None):
+    _check("combine_reduce", [rows, slot_to_row, weights, local_rows])
+    taken = _slot_rows(rows, slot_to_row, local_rows)
     if weights is not None:
         taken = taken * weights.float().unsqueeze(-1)
     return taken.sum(1).to(rows.dtype)

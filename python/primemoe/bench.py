@@ -303,6 +303,8 @@ IMPLS = {
     "reference": Impl(_reference_raw, ("bf16",), "pure-PyTorch loop over experts (fp32), autograd backward; "
                       "raw timing only", single_gpu="single GPU only"),
 }
+# At EP > 1 primemoe already runs through the (overlapped) Buffer: buffer and buffer-seq are asked for by name.
+DEFAULT_IMPLS = ["baseline", "primemoe", "reference"]
 COMM_IMPLS = {
     "primemoe": Impl(_PrimemoeComm, ("bf16",), "primemoe.Buffer.dispatch / combine (NVSHMEM) on num_sms SMs"),
     "nccl": Impl(_NcclComm, ("bf16",), "all_to_all_single of the rows grouped by rank, split sizes on the host"),
@@ -1074,7 +1076,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["bf16"],
                    help="primemoe's precisions, each a cell of its own beside bf16's and the baseline's (bf16 only): "
                         "bf16, fp8 (FP8 forward and backward), fp8_bwd (FP8 backward); default bf16")
-    p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--impl", nargs="+", choices=IMPLS, default=DEFAULT_IMPLS,
+                   help=f"default {' '.join(DEFAULT_IMPLS)}; buffer / buffer-seq: primemoe.moe(buffer=) with the "
+                        "overlap on / off, also at EP = 1 (a Buffer of one rank)")
     p.add_argument("--warmup", type=_int_from(0), default=5)
     p.add_argument("--iters", type=_int_from(1), default=20, help="timed iterations (median reported)")
     p.add_argument("--settle", type=_seconds, default=2.0,

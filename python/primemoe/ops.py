@@ -72,7 +72,7 @@ def _gather_rows_fake(src, row_to_slot, top_k, scale, slot_to_row=None, expert_o
 
 
 @torch.library.register_fake("primemoe::combine_reduce")
-def _combine_reduce_fake(rows, slot_to_row, weights):
+def _combine_reduce_fake(rows, slot_to_row, weights, local_rows=None):
     return rows.new_empty(slot_to_row.shape[0], rows.shape[1])
 
 
