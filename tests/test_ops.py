@@ -175,6 +175,48 @@ def test_fc1_rows_ready_arguments_are_checked(engine):
         ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, torch.zeros(3, dtype=torch.int32), torch.ones(1, dtype=torch.int64))
 
 
+def test_opcheck_gemms_with_the_dispatch_hook(engine):
+    """The overlapped path's arguments: FC1 with the dispatch's tile counter and overlap_sms, FC2's dgrad with the
+    wait hook (the CPU kernels check them; nothing waits)."""
+    e = engine
+    ready, epoch = torch.full((3,), 2, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    counter = torch.zeros(1, dtype=torch.int32)
+    torch.library.opcheck(ops.fc1_swiglu, (e.xs, e.w1, e.offsets, True, ready, epoch, 2, 0),
+                          {"tile_counter": counter, "overlap_sms": 16})
+    torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets, True, ready, epoch, 2,
+                                                 0), {"overlap_sms": 16})
+
+
+def test_dispatch_hook_arguments_are_checked(engine):
+    e = engine
+    ready, epoch = torch.full((3,), 2, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="overlap_sms: only with rows_ready"):
+        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, overlap_sms=16)
+    with pytest.raises(RuntimeError, match="overlap_sms: expected >= 0"):
+        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, ready, epoch, overlap_sms=-1)
+    with pytest.raises(RuntimeError, match="tile_counter: only meaningful together with rows_ready"):
+        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, tile_counter=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="tile_counter: expected a 1-element int32 tensor"):
+        ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, ready, epoch, tile_counter=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="overlap_sms: only with rows_ready"):
+        ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets, overlap_sms=16)
+    with pytest.raises(RuntimeError, match="rows_ready: expected one counter per expert"):
+        ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets, True, ready[:2], epoch)
+
+
+def test_combine_reduce_reads_local_rows(engine):
+    """slot_to_row r <= -2 takes row -2 - r of local_rows (the expert-parallel combine's own rows)."""
+    rows = torch.randn(5, 16).to(torch.bfloat16)
+    local = torch.randn(4, 16).to(torch.bfloat16)
+    slot_to_row = torch.tensor([[0, -2 - 3], [-1, -2], [4, 1]], dtype=torch.int32)
+    y = ops.combine_reduce(rows, slot_to_row, None, local)
+    expected = torch.stack([rows[0].float() + local[3].float(), local[0].float(), rows[4].float() + rows[1].float()])
+    torch.testing.assert_close(y.float(), expected.to(torch.bfloat16).float())
+    # Without local_rows every negative entry is "no row".
+    torch.testing.assert_close(ops.combine_reduce(rows, slot_to_row, None)[1].float(), torch.zeros(16))
+    torch.library.opcheck(ops.combine_reduce, (rows, slot_to_row, None, local))
+
+
 def test_opcheck_fc2_dgrad_swiglu(engine):
     e = engine
     torch.library.opcheck(ops.fc2_dgrad_swiglu, (e.dy_rows, e.w2, e.h, e.row_weight, e.offsets))

@@ -140,14 +140,26 @@ void check_rows_ready(const std::optional<Tensor>& rows_ready, const std::option
   PRIMEMOE_CHECK(per_epoch >= 1, "per_epoch: expected >= 1, got ", per_epoch);
 }
 
+// overlap_sms (GroupedGemmArgs::overlap_sms): >= 0, and > 0 only with the hook and fewer SMs than the device has.
+void check_overlap_sms(int64_t overlap_sms, const std::optional<Tensor>& rows_ready, const Tensor& rows) {
+  PRIMEMOE_CHECK(overlap_sms >= 0, "overlap_sms: expected >= 0, got ", overlap_sms);
+  if (overlap_sms == 0) return;
+  PRIMEMOE_CHECK(rows_ready.has_value(),
+                 "overlap_sms: only with rows_ready (the wait that orders the GEMM's reads after the dispatch's writes)");
+  if (rows.is_cuda()) {
+    const int64_t sms = sm_count(rows.get_device_index());
+    PRIMEMOE_CHECK(overlap_sms < sms, "overlap_sms: the dispatch's ", overlap_sms, " SMs leave none of the device's ",
+                   sms, " to the GEMM");
+  }
+}
+
 void check_fc1_args(const Tensor& rows, const Tensor& w1, const Tensor& offsets,
                     const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch, int64_t per_epoch,
-                    const std::optional<Tensor>& tile_counter, bool overlap) {
+                    const std::optional<Tensor>& tile_counter, int64_t overlap_sms) {
   check_row_gemm_args(rows, w1, offsets, false);
   PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
   check_rows_ready(rows_ready, epoch, w1, per_epoch);
-  PRIMEMOE_CHECK(!overlap || rows_ready.has_value(),
-                 "overlap: only with rows_ready (the wait that orders FC1's reads after the dispatch's writes)");
+  check_overlap_sms(overlap_sms, rows_ready, rows);
   if (tile_counter.has_value()) {
     PRIMEMOE_CHECK(rows_ready.has_value(), "tile_counter: only meaningful together with rows_ready");
     PRIMEMOE_CHECK(tile_counter->scalar_type() == ScalarType::Int && tile_counter->numel() == 1 &&
@@ -157,11 +169,23 @@ void check_fc1_args(const Tensor& rows, const Tensor& w1, const Tensor& offsets,
   }
 }
 
+void set_rows_ready(GroupedGemmArgs& g, const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch,
+                    int64_t per_epoch, int64_t rank, int64_t overlap_sms, const Tensor& rows) {
+  if (!rows_ready.has_value()) return;
+  g.hook.counters = reinterpret_cast<const uint64_t*>(data_of<int64_t>(*rows_ready));
+  g.hook.epoch = data_of<int64_t>(*epoch);
+  g.hook.per_epoch = static_cast<uint64_t>(per_epoch);
+  g.hook.rank = static_cast<int32_t>(rank);
+  g.hook.timeout_ns = wait_timeout_ns();
+  g.error = error_record_for(rows);  // where a timed-out wait is reported
+  g.overlap_sms = static_cast<int32_t>(overlap_sms);
+}
+
 std::tuple<Tensor, Tensor> fc1_swiglu_cuda(const Tensor& rows, const Tensor& w1, const Tensor& offsets, bool keep_fc1,
                                            const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch,
                                            int64_t per_epoch, int64_t rank, bool zero_unrouted,
-                                           const std::optional<Tensor>& tile_counter, bool overlap) {
-  check_fc1_args(rows, w1, offsets, rows_ready, epoch, per_epoch, tile_counter, overlap);
+                                           const std::optional<Tensor>& tile_counter, int64_t overlap_sms) {
+  check_fc1_args(rows, w1, offsets, rows_ready, epoch, per_epoch, tile_counter, overlap_sms);
   const DeviceGuard guard(rows.get_device_index());
   const int64_t inter = w1.size(1) / 2;
   auto a = empty_like_device(rows, {rows.size(0), inter});
@@ -170,24 +194,19 @@ std::tuple<Tensor, Tensor> fc1_swiglu_cuda(const Tensor& rows, const Tensor& w1,
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kSwiGLU, rows, w1, true, 0, inter, rows.size(1), offsets, a,
                      zero_unrouted);
   g.out_h = keep_fc1 ? h.data_ptr() : nullptr;
-  if (rows_ready.has_value()) {
-    g.hook.counters = reinterpret_cast<const uint64_t*>(data_of<int64_t>(*rows_ready));
-    g.hook.epoch = data_of<int64_t>(*epoch);
-    g.hook.per_epoch = static_cast<uint64_t>(per_epoch);
-    g.hook.rank = static_cast<int32_t>(rank);
-    g.hook.timeout_ns = wait_timeout_ns();
-    g.error = error_record_for(rows);  // where a timed-out wait is reported
-    // The dispatch zeroed this counter: no fill kernel between it and this GEMM.
-    if (tile_counter.has_value()) g.tile_counter = data_of<int32_t>(*tile_counter);
-    g.programmatic = overlap;
-  }
+  set_rows_ready(g, rows_ready, epoch, per_epoch, rank, overlap_sms, rows);
+  // The dispatch zeroed this counter: no fill kernel between it and this GEMM.
+  if (tile_counter.has_value()) g.tile_counter = data_of<int32_t>(*tile_counter);
   run_gemm(g, rows, "fc1_swiglu");
   return {a, h};
 }
 
 void check_fc2_dgrad_args(const Tensor& dy_rows, const Tensor& w2, const Tensor& h, const Tensor& row_weight,
-                          const Tensor& offsets) {
+                          const Tensor& offsets, const std::optional<Tensor>& rows_ready,
+                          const std::optional<Tensor>& epoch, int64_t per_epoch, int64_t overlap_sms) {
   check_row_gemm_args(dy_rows, w2, offsets, true);
+  check_rows_ready(rows_ready, epoch, w2, per_epoch);
+  check_overlap_sms(overlap_sms, rows_ready, dy_rows);
   check_rows(h, "h");
   check_same_device(h, dy_rows, "h");
   const int64_t inter = w2.size(2);
@@ -202,8 +221,10 @@ void check_fc2_dgrad_args(const Tensor& dy_rows, const Tensor& w2, const Tensor&
 // dot[:, p] = <da, a> over activation columns [256 p, 256 p + 256) (summed into d_topk_weights).
 std::tuple<Tensor, Tensor, Tensor> fc2_dgrad_swiglu_cuda(const Tensor& dy_rows, const Tensor& w2, const Tensor& h,
                                                          const Tensor& row_weight, const Tensor& offsets,
-                                                         bool zero_unrouted) {
-  check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets);
+                                                         bool zero_unrouted, const std::optional<Tensor>& rows_ready,
+                                                         const std::optional<Tensor>& epoch, int64_t per_epoch,
+                                                         int64_t rank, int64_t overlap_sms) {
+  check_fc2_dgrad_args(dy_rows, w2, h, row_weight, offsets, rows_ready, epoch, per_epoch, overlap_sms);
   const DeviceGuard guard(dy_rows.get_device_index());
   const int64_t rows = dy_rows.size(0);
   const int64_t inter = w2.size(2);
@@ -217,6 +238,7 @@ std::tuple<Tensor, Tensor, Tensor> fc2_dgrad_swiglu_cuda(const Tensor& dy_rows, 
   g.row_weight = data_of<float>(row_weight);
   g.out_dh = dh.data_ptr();
   g.out_dot = data_of<float>(dot);
+  set_rows_ready(g, rows_ready, epoch, per_epoch, rank, overlap_sms, dy_rows);
   run_gemm(g, dy_rows, "fc2_dgrad_swiglu");
   return {dh, aw, dot};
 }
@@ -267,10 +289,11 @@ const ArgCheckRegistration expert_gemm_check("expert_gemm", 4, 2, [](const OpArg
 });
 const ArgCheckRegistration fc1_check("fc1_swiglu", 6, 5, [](const OpArgs& a) {
   check_fc1_args(a.tensor(0), a.tensor(1), a.tensor(2), a.optional(3), a.optional(4), a.integer(1), a.optional(5),
-                 a.integer(4) != 0);
+                 a.integer(4));
 });
-const ArgCheckRegistration fc2_dgrad_check("fc2_dgrad_swiglu", 5, 1, [](const OpArgs& a) {
-  check_fc2_dgrad_args(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4));
+const ArgCheckRegistration fc2_dgrad_check("fc2_dgrad_swiglu", 7, 4, [](const OpArgs& a) {
+  check_fc2_dgrad_args(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4), a.optional(5), a.optional(6),
+                       a.integer(1), a.integer(3));
 });
 const ArgCheckRegistration wgrad_check("expert_wgrad", 4, 0, [](const OpArgs& a) {
   check_wgrad_args(a.tensor(0), a.tensor(1), a.tensor(2), a.optional(3));

@@ -57,10 +57,11 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   m.def(
       "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
       "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True, Tensor(t!)? tile_counter=None, "
-      "bool overlap=False) -> (Tensor a, Tensor h)");
+      "int overlap_sms=0) -> (Tensor a, Tensor h)");
   m.def(
       "fc2_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor h, Tensor row_weight, Tensor expert_offsets, "
-      "bool zero_unrouted=True) -> (Tensor dh, Tensor aw, Tensor dot)");
+      "bool zero_unrouted=True, Tensor? rows_ready=None, Tensor? epoch=None, int per_epoch=1, int rank=0, "
+      "int overlap_sms=0) -> (Tensor dh, Tensor aw, Tensor dot)");
   // expert_rows: the layout's routed rows per expert, so that k-slices of padding are skipped (the same
   // result: the layout's padding rows are zeros).
   m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets, Tensor? expert_rows=None) -> Tensor");

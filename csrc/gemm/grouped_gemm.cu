@@ -124,7 +124,7 @@ bool gemm_config_built(const GroupedGemmArgs& a, const GemmConfig& config) {
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& config, cudaStream_t stream) {
   using namespace sm90;
   if (config.claim_tiles && a.tile_counter == nullptr) return cudaErrorInvalidValue;
-  if (a.programmatic && a.hook.counters == nullptr) return cudaErrorInvalidValue;
+  if (a.overlap_sms > 0 && a.hook.counters == nullptr) return cudaErrorInvalidValue;
   if (!gemm_config_built(a, config)) return cudaErrorNotSupported;
   GemmParams params{};
   params.args = a;
@@ -151,11 +151,13 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
                                                                     : nullptr;
   if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, 64);
   if (err != cudaSuccess) return err;
-  const int grid = a.num_sms > 0 ? a.num_sms : 1;
+  // A static order's CTA that waits for an SM the dispatch holds would start its whole share late.
+  const int sms = a.overlap_sms > 0 && !config.claim_tiles ? a.num_sms - a.overlap_sms : a.num_sms;
+  const int grid = sms > 0 ? sms : 1;
 #define PRIMEMOE_LAUNCH(S, E, BK, CLAIM, MERGE)                                                          \
   if (a.schedule == GemmSchedule::S && a.epilogue == GemmEpilogue::E && a.b_k_major == BK &&            \
       config.claim_tiles == CLAIM && config.merge_tails == MERGE) {                                     \
-    return launch<GemmSchedule::S, GemmEpilogue::E, BK, CLAIM, MERGE>(params, grid, a.programmatic, stream); \
+    return launch<GemmSchedule::S, GemmEpilogue::E, BK, CLAIM, MERGE>(params, grid, a.overlap_sms > 0, stream); \
   }
   PRIMEMOE_GEMM_VARIANT_LIST(PRIMEMOE_LAUNCH)
 #undef PRIMEMOE_LAUNCH

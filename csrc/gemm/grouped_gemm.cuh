@@ -85,10 +85,11 @@ struct GroupedGemmArgs {
   // Zero at launch where GemmConfig::claim_tiles is set (the tile claim counter), else unused. Set by the caller
   // (a dispatch zeroes it), the heuristics take the claimed order.
   int32_t* tile_counter;
-  // Launched programmatically dependent on the kernel before it on the stream (the dispatch's rows kernel): it starts
-  // while that kernel runs, its CTAs taking the SMs as they come free, and ends only after it. Only with the hook,
-  // whose waits order its reads of the rows after their writes.
-  bool programmatic;
+  // > 0: launched programmatically dependent on the kernel before it on the stream (the dispatch's rows kernel, on
+  // this many SMs): it starts while that kernel runs and ends only after it. The claimed tile order launches every
+  // CTA (those on the dispatch's SMs start late and claim fewer tiles), the static one only the SMs left. Only with
+  // the hook, whose waits order its reads of the rows after their writes.
+  int32_t overlap_sms;
   ErrorRecord* error;
   int32_t num_sms;
 };

@@ -157,10 +157,10 @@ def expert_gemm(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=Tr
 
 @_cpu_kernel("fc1_swiglu")
 def fc1_swiglu(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, per_epoch=1, rank=0,
-               zero_unrouted=True, tile_counter=None, overlap=False):
+               zero_unrouted=True, tile_counter=None, overlap_sms=0):
     """Every row is in memory already: the wait hook's arguments are checked, nothing waits."""
     _check("fc1_swiglu", [rows, w1, expert_offsets, rows_ready, epoch, tile_counter],
-           [keep_fc1, per_epoch, rank, zero_unrouted, overlap])
+           [keep_fc1, per_epoch, rank, zero_unrouted, overlap_sms])
     inter = w1.shape[1] // 2
     h = _expert_products(rows, w1, expert_offsets, False).to(torch.bfloat16)
     hf = h.float()
@@ -169,9 +169,12 @@ def fc1_swiglu(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, 
 
 
 @_cpu_kernel("fc2_dgrad_swiglu")
-def fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, expert_offsets, zero_unrouted=True):
-    """Rows past the last expert give zeros whatever their inputs, as on the GPU."""
-    _check("fc2_dgrad_swiglu", [dy_rows, w2, h, row_weight, expert_offsets], [zero_unrouted])
+def fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, expert_offsets, zero_unrouted=True, rows_ready=None, epoch=None,
+                     per_epoch=1, rank=0, overlap_sms=0):
+    """Rows past the last expert give zeros whatever their inputs, as on the GPU. Every row is in memory already:
+    the wait hook's arguments are checked, nothing waits."""
+    _check("fc2_dgrad_swiglu", [dy_rows, w2, h, row_weight, expert_offsets, rows_ready, epoch],
+           [zero_unrouted, per_epoch, rank, overlap_sms])
     rows, inter = dy_rows.shape[0], w2.shape[2]
     da = _expert_products(dy_rows, w2, expert_offsets, True)
     inside = (torch.arange(rows) < int(expert_offsets[-1])).unsqueeze(1)

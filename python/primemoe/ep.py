@@ -97,7 +97,8 @@ class BufferTransport:
     def __init__(self, buffer, topk_idx):
         self.buffer, self.topk_idx = buffer, topk_idx
         self.row_align = buffer.row_align
-        self.overlap = buffer.overlap
+        # The GEMM after a dispatch runs alongside it, which holds the Buffer's SMs (none: after it).
+        self.overlap_sms = buffer.num_sms if buffer.overlap else 0
         self.counts = self.offsets = self.slot_valid = None
 
     def dispatch(self, src, topk_weights, *, wait=True):

@@ -124,18 +124,18 @@ def engine_supports(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return x.is_cuda and _engine_unsupported(x.device.index, x.shape[1], w1.shape[1] // 2) == ""
 
 
-def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, overlap=False):
+def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, overlap_sms=0):
     """FC1 + SwiGLU per expert over the expert-major rows: ``(a, h or an empty [0, 2I])``.
     ``rows_ready`` (engine only): ``(counters, epoch, per_epoch, rank, tile_counter)``: FC1's producer waits for
-    ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows; ``overlap``: FC1 starts while the
-    dispatch that made ``xs`` still runs (it must be the last thing on the stream). Rows past ``offsets[-1]`` of the
-    outputs are left undefined (here and below)."""
+    ``counters[e] >= epoch * per_epoch`` before it loads expert ``e``'s rows; ``overlap_sms`` > 0: FC1 starts while
+    the dispatch that made ``xs`` still runs on that many SMs (it must be the last thing on the stream). Rows past
+    ``offsets[-1]`` of the outputs are left undefined (here and below)."""
     if engine:
         if rows_ready is None:
             return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, zero_unrouted=False)
         counters, epoch, per_epoch, rank, tile_counter = rows_ready
         return lib.fc1_swiglu(xs, w1, offsets, keep_fc1, counters, epoch, per_epoch, rank, zero_unrouted=False,
-                              tile_counter=tile_counter, overlap=overlap)
+                              tile_counter=tile_counter, overlap_sms=overlap_sms)
     return _fallback.fc1(xs, w1, offsets, keep_fc1)
 
 
@@ -147,19 +147,22 @@ def expert_fc2(a, w2, offsets, row_weight, engine):
     return _fallback.fc2(a, w2, offsets, row_weight)
 
 
-def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine):
+def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine, rows_ready=None, overlap_sms=0):
     """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
     *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed); ``counts``: the
     layout's routed rows per expert (the engine's weight gradients skip the padding with them). Returns
     ``(dxs, dw1, dw2, dtw_rows)``; ``dtw_rows[r] = <dy_r, FC2 output_r>`` = ``<da_r, a_r>``
-    (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept.
+    (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept. ``rows_ready`` and
+    ``overlap_sms`` (engine only, as ``expert_fc1``'s): FC2's dgrad waits for ``dy_rows`` per expert and, with
+    ``overlap_sms``, runs alongside their dispatch (then ``h`` is given: nothing may come between the two).
     Reads no row of ``xs`` past ``offsets[-1]`` (the Buffer path saves only those): the engine skips
     tiles past the routed rows, ``torch._grouped_mm`` reads only the rows inside its groups."""
     if not engine:
         return _fallback.expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets)
     if h is None:  # the pre-activations only: FC1 without its SwiGLU epilogue
         h = lib.expert_gemm(xs, w1, offsets, False, zero_unrouted=False)
-    dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets, zero_unrouted=False)
+    hook = () if rows_ready is None else rows_ready[:4]  # FC2's dgrad claims no tiles: no tile counter
+    dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets, False, *hook, overlap_sms=overlap_sms)
     dw2 = lib.expert_wgrad(dy_rows, aw, offsets, counts)
     dxs = lib.expert_gemm(dh, w1, offsets, True, zero_unrouted=False)
     dw1 = lib.expert_wgrad(dh, xs, offsets, counts)
@@ -255,8 +258,9 @@ class LocalTransport:
     - ``row_align``: each expert's rows start at a multiple of it (the engine needs ``ROW_ALIGN``'s);
     - ``zero_fc1_out_tail``: zero the rows of ``fc1_out`` past the routed ones (it leaves the layer);
     - ``dispatch(src, topk_weights, wait=)`` -> ``(rows, expert_counts, expert_offsets)``: ``src``'s rows
-      (``x`` or ``dy``) in expert-major order; ``rows_ready()``: FC1's wait hook (or None); ``overlap``: with the
-      hook, FC1 runs alongside a dispatch that does not wait (else after one that does);
+      (``x`` or ``dy``) in expert-major order; ``rows_ready()``: the GEMMs' wait hook (or None); ``overlap_sms``:
+      with the hook, the first GEMM runs alongside a dispatch that does not wait, which holds that many SMs (0:
+      after one that does);
     - ``row_weight(topk_weights)``: each row's routing weight, fp32, 0 on padding rows;
     - ``combine(rows, row_scalars=None)`` -> ``(out [T, H], slot scalars fp32 [T, K] or None)``;
     - ``save_rows(rows)``: what the forward keeps of its rows for the backward (None: nothing), and
@@ -266,7 +270,7 @@ class LocalTransport:
     """
 
     zero_fc1_out_tail = True  # moe_forward returns fc1_out: no row of it is left undefined
-    overlap = False
+    overlap_sms = 0
 
     def __init__(self, topk_idx, num_experts, row_align=ROW_ALIGN):
         self.topk_idx, self.num_experts = topk_idx, num_experts
@@ -335,9 +339,9 @@ def forward(transport, x, topk_weights, w1, w2, *, keep_fc1=True, save_rows=Fals
         return x.new_zeros(x.shape), x.new_zeros(transport.num_rows if keep_fc1 else 0, w1.shape[1]), None
     # Overlapped (the engine): the dispatch does not wait, and FC1's producer waits for each expert's rows itself
     # (the arrival counters), so its tiles start as soon as their expert's rows have landed.
-    overlap = bool(engine) and transport.overlap
-    xs, _, offsets = transport.dispatch(x, topk_weights, wait=not overlap)
-    a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, transport.rows_ready() if engine else None, overlap)
+    overlap_sms = transport.overlap_sms if engine else 0
+    xs, _, offsets = transport.dispatch(x, topk_weights, wait=not overlap_sms)
+    a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, transport.rows_ready() if engine else None, overlap_sms)
     if keep_fc1 and transport.zero_fc1_out_tail:
         lib.zero_unrouted_rows(h, offsets)
     o = expert_fc2(a, w2, offsets, transport.row_weight(topk_weights), engine)
@@ -378,10 +382,15 @@ def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=Non
     # The local layout and rows are rebuilt, not kept from the forward: the rows are K times x.
     xs = transport.backward_rows(source)
     h = fc1_out if fc1_out is not None and fc1_out.numel() else None
+    # Overlapped (the engine, h kept): FC2's dgrad runs alongside dy's dispatch. With FC1 recomputed, that GEMM
+    # comes between them.
+    overlap_sms = transport.overlap_sms if engine and h is not None else 0
     # Same routing as the forward, hence the same layout: dy's rows line up with xs and h.
-    dy_rows, counts, offsets = transport.dispatch(dy.contiguous(), topk_weights)
+    dy_rows, counts, offsets = transport.dispatch(dy.contiguous(), topk_weights, wait=not overlap_sms)
     row_weight = transport.row_weight(topk_weights)
-    dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine)
+    rows_ready = transport.rows_ready() if engine else None
+    dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
+                                              rows_ready, overlap_sms)
     dx, d_topk_weights = transport.combine(dxs, dtw_rows)
     return dx, d_topk_weights, dw1, dw2
 

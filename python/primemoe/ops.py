@@ -103,13 +103,14 @@ def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrou
 
 @torch.library.register_fake("primemoe::fc1_swiglu")
 def _fc1_swiglu_fake(rows, w1, expert_offsets, keep_fc1, rows_ready=None, epoch=None, per_epoch=1, rank=0,
-                     zero_unrouted=True, tile_counter=None, overlap=False):
+                     zero_unrouted=True, tile_counter=None, overlap_sms=0):
     inter = w1.shape[1] // 2
     return rows.new_empty(rows.shape[0], inter), rows.new_empty(rows.shape[0] if keep_fc1 else 0, 2 * inter)
 
 
 @torch.library.register_fake("primemoe::fc2_dgrad_swiglu")
-def _fc2_dgrad_swiglu_fake(dy_rows, w2, h, row_weight, expert_offsets, zero_unrouted=True):
+def _fc2_dgrad_swiglu_fake(dy_rows, w2, h, row_weight, expert_offsets, zero_unrouted=True, rows_ready=None,
+                           epoch=None, per_epoch=1, rank=0, overlap_sms=0):
     R, inter = dy_rows.shape[0], w2.shape[2]
     return (dy_rows.new_empty(R, 2 * inter), dy_rows.new_empty(R, inter),
             dy_rows.new_empty(R, inter // TILE_N, dtype=torch.float32))

@@ -208,6 +208,21 @@ def test_combine_reduce_cuda_matches_cpu(shape, weight_dtype):
     torch.testing.assert_close(got.cpu(), want)
 
 
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_combine_reduce_with_local_rows_cuda_matches_cpu(shape):
+    """Every other routed slot's row taken from local_rows (slot map -2 - r), as the expert-parallel combine does
+    for a rank's own slots."""
+    tokens, top_k, hidden = shape
+    _, weights, slot_to_row, row_to_slot = rows_problem(*shape, seed=3)
+    rows = torch.randn(row_to_slot.numel(), hidden).bfloat16()
+    local = torch.randn(row_to_slot.numel(), hidden).bfloat16()
+    flip = (torch.arange(slot_to_row.numel()).view(slot_to_row.shape) % 2 == 0) & (slot_to_row >= 0)
+    mixed = torch.where(flip, -2 - slot_to_row, slot_to_row)
+    want = ops.combine_reduce(rows, mixed, weights, local)
+    got = ops.combine_reduce(rows.cuda(), mixed.cuda(), weights.cuda(), local.cuda())
+    torch.testing.assert_close(got.cpu(), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_gather_scalars_cuda_equals_cpu(shape, dtype):

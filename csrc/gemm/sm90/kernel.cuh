@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     if (ptid >= 1) return;
     TileWalker<S, E, Merge> walker(p.args);
     tma_producer<S, E, BKMajor, Claim, Merge>(p, smem, walker, tiles);
-    // Launched programmatically (GroupedGemmArgs::programmatic), the kernel ends only after the one before it: what
+    // Launched programmatically (GroupedGemmArgs::overlap_sms), the kernel ends only after the one before it: what
     // follows on the stream may rely on both. A no-op otherwise. Here, after the last load, because the wait stalls
     // the whole warp: in a lane beside the producer's it held the loads back until that kernel had ended.
     wait_for_previous_kernel();
