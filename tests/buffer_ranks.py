@@ -157,7 +157,8 @@ def dispatch_cases(rank, world, cases_path, out_dir):
                         for region in ("recv_rows", "recv_meta", "recv_weights")}
             buffer.combine(buffer.region("recv_rows").clone(), offsets, buffer.region("recv_weights").clone())
             slots = topk_idx.numel()
-            echoed = {region: buffer.region(region)[:slots].clone() for region in ("combine_rows", "combine_scalars")}
+            echoed = {region: buffer.region(region)[:slots].clone()
+                      for region in ("combine_rows", "combine_scalars", "self_rows")}
             try:
                 primemoe.check_errors()
                 error = None
@@ -232,9 +233,14 @@ def _soak_iteration(buffer, gen, device, iteration):
     topk_weights = topk_weights.to(device)
 
     counts, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
-    buffer.combine(buffer.region("recv_rows").clone(), offsets, buffer.region("recv_weights").clone())
+    received = buffer.region("recv_rows").clone()
+    buffer.combine(received, offsets, buffer.region("recv_weights").clone())
     valid = slot_valid.view(-1)
-    rows = buffer.region("combine_rows")[:tokens * K][valid]
+    # The rows of this rank's own slots stay in the combine's input, at receive row self_rows[slot].
+    own = valid & (topk_idx.view(-1) // buffer.local_experts == buffer.rank)
+    echoed = buffer.region("combine_rows")[:tokens * K].clone()
+    echoed[own] = received[buffer.region("self_rows")[:tokens * K][own].long()]
+    rows = echoed[valid]
     scalars = buffer.region("combine_scalars")[:tokens * K][valid]
     assert torch.equal(valid, (topk_idx >= 0).view(-1)), f"iteration {iteration}: slot_valid"
     assert torch.equal(rows, x.repeat_interleave(K, 0)[valid]), f"iteration {iteration}: echoed rows"

@@ -122,9 +122,18 @@ struct ArgCheckRegistration {
 
 using LayoutResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
+// Where launch_layout writes counts, offsets and row_to_slot instead of tensors of its own (then returned empty): memory
+// that outlives the call, for a kernel that may still read them after the next op's allocations (the expert-parallel
+// dispatch, which a GEMM runs alongside).
+struct LayoutInto {
+  int32_t* counts;
+  int32_t* offsets;
+  int32_t* row_to_slot;
+};
+
 // dispatch_layout on the current stream of topk_idx's device; slot_valid: [num_slots] bool that the
 // kernel fills with slot_to_row >= 0, or null. Raises a pending device error first.
 LayoutResult launch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
-                           int64_t row_align, bool* slot_valid);
+                           int64_t row_align, bool* slot_valid, const LayoutInto* into = nullptr);
 
 }  // namespace primemoe

@@ -135,8 +135,12 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
   PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
   const int64_t experts = world * local_experts;
   auto slot_valid = empty_like_device(topk_idx, topk_idx.sizes(), ScalarType::Bool);
-  auto [send_counts, send_offsets, slot_to_row, row_to_slot] =
-      launch_layout(topk_idx, experts, 0, experts, 1, data_of<bool>(slot_valid));
+  // The send-side layout goes into the workspace: the rows kernel reads it while the GEMM after it runs, whose
+  // outputs the caching allocator could otherwise place in these tensors' memory as soon as this call returns.
+  uint8_t* ws = data_of<uint8_t>(workspace);
+  const LayoutInto send{reinterpret_cast<int32_t*>(ws + l.send_counts), reinterpret_cast<int32_t*>(ws + l.send_offsets),
+                        reinterpret_cast<int32_t*>(ws + l.send_row_to_slot)};
+  launch_layout(topk_idx, experts, 0, experts, 1, data_of<bool>(slot_valid), &send);
   const DeviceGuard guard(x.get_device_index());
   auto expert_counts = empty_like_device(x, {local_experts}, ScalarType::Int);
   auto expert_offsets = empty_like_device(x, {local_experts + 1}, ScalarType::Int);
@@ -151,9 +155,9 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
   a.topk_weights = topk_weights.data_ptr();
   a.weight_type = scale_type_of(topk_weights, "topk_weights");
   a.num_tokens = x.size(0);
-  a.send_counts = data_of<int32_t>(send_counts);
-  a.send_offsets = data_of<int32_t>(send_offsets);
-  a.send_row_to_slot = data_of<int32_t>(row_to_slot);
+  a.send_counts = send.counts;
+  a.send_offsets = send.offsets;
+  a.send_row_to_slot = send.row_to_slot;
   a.scratch = ep_scratch(a.workspace, l, c);
   a.expert_counts = data_of<int32_t>(expert_counts);
   a.expert_offsets = data_of<int32_t>(expert_offsets);

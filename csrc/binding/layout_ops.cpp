@@ -72,16 +72,17 @@ int64_t constant_op(const std::string& name) {
 }  // namespace
 
 LayoutResult launch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t expert_begin, int64_t num_local,
-                           int64_t row_align, bool* slot_valid) {
+                           int64_t row_align, bool* slot_valid, const LayoutInto* into) {
   check_layout_args(topk_idx, num_experts, expert_begin, num_local, row_align);
   const DeviceGuard guard(topk_idx.get_device_index());
   raise_pending_error(topk_idx.get_device_index());
   const int64_t num_slots = topk_idx.numel();
   constexpr auto kInt32 = ScalarType::Int;
-  auto counts = empty_like_device(topk_idx, {num_local}, kInt32);
-  auto offsets = empty_like_device(topk_idx, {num_local + 1}, kInt32);
+  const bool own = into == nullptr;
+  auto counts = empty_like_device(topk_idx, {own ? num_local : 0}, kInt32);
+  auto offsets = empty_like_device(topk_idx, {own ? num_local + 1 : 0}, kInt32);
   auto slot_to_row = empty_like_device(topk_idx, topk_idx.sizes(), kInt32);
-  auto row_to_slot = empty_like_device(topk_idx, {layout_max_rows(num_slots, num_local, row_align)}, kInt32);
+  auto row_to_slot = empty_like_device(topk_idx, {own ? layout_max_rows(num_slots, num_local, row_align) : 0}, kInt32);
   auto workspace =
       empty_like_device(topk_idx, {std::max<int64_t>(layout_workspace_ints(num_slots, num_local), 1)}, kInt32);
   DispatchLayoutArgs a{};
@@ -93,10 +94,10 @@ LayoutResult launch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t 
   a.expert_begin = static_cast<int32_t>(expert_begin);
   a.num_local = static_cast<int32_t>(num_local);
   a.row_align = static_cast<int32_t>(row_align);
-  a.expert_counts = data_of<int32_t>(counts);
-  a.expert_offsets = data_of<int32_t>(offsets);
+  a.expert_counts = own ? data_of<int32_t>(counts) : into->counts;
+  a.expert_offsets = own ? data_of<int32_t>(offsets) : into->offsets;
   a.slot_to_row = data_of<int32_t>(slot_to_row);
-  a.row_to_slot = data_of<int32_t>(row_to_slot);
+  a.row_to_slot = own ? data_of<int32_t>(row_to_slot) : into->row_to_slot;
   a.slot_valid = slot_valid;
   a.workspace = data_of<int32_t>(workspace);
   a.error = error_record_for(topk_idx);

@@ -47,6 +47,10 @@ struct EpLayout {
   size_t combine_scalars;  // float [max_slots]: per-slot scalar pushed with it (d_topk_weights in backward)
   size_t self_rows;        // int32 [max_slots]: receive row of each of my slots routed to my own experts (written by
                            // the dispatch, undefined for the others): the combine leaves those rows where they are
+  // This rank's send-side layout (dispatch_layout over all W * E_local experts, row_align 1), read by the rows kernel.
+  size_t send_counts;       // int32 [W * E_local]
+  size_t send_offsets;      // int32 [W * E_local + 1]
+  size_t send_row_to_slot;  // int32 [max_slots]
   size_t scratch;          // int32 [6][(W + 1) * E_local + 1]: this rank's own bookkeeping (EpScratch), never read remotely
   size_t tile_counter;     // int32 [1]: the claimed tile order's counter of the GEMM that waits on this dispatch, zeroed
                            // by it (so no fill kernel separates the dispatch from that GEMM)
@@ -93,7 +97,7 @@ struct EpRegion {
   }
 };
 
-constexpr int kEpRegions = 13;
+constexpr int kEpRegions = 16;
 
 // expert_arrivals[e] grows by this much per dispatch: one signal per source rank once its rows of e have landed, and
 // one from this rank once e's padding rows are zeroed.
@@ -119,6 +123,9 @@ inline std::array<EpRegion, kEpRegions> ep_regions(const EpConfig& c) {
       {"combine_rows", EpElement::kBFloat16, 2, {S, H}, 0},
       {"combine_scalars", EpElement::kFloat32, 1, {S}, 0},
       {"self_rows", EpElement::kInt32, 1, {S}, 0},
+      {"send_counts", EpElement::kInt32, 1, {W * E}, 0},
+      {"send_offsets", EpElement::kInt32, 1, {W * E + 1}, 0},
+      {"send_row_to_slot", EpElement::kInt32, 1, {S}, 0},
       {"scratch", EpElement::kInt32, 2, {6, ep_send_order_entries(W, E) + 1}, 0},
       {"tile_counter", EpElement::kInt32, 1, {1}, 0},
       {"stage_rows", EpElement::kBFloat16, 2, {c.put_peers ? R : 0, H}, 0},
@@ -141,8 +148,8 @@ inline EpLayout ep_layout(const EpConfig& c) {
   EpLayout l{};
   size_t* fields[kEpRegions] = {&l.count_matrix, &l.count_flags,  &l.expert_arrivals, &l.combine_flags,
                                 &l.recv_rows,    &l.recv_meta,    &l.recv_weights,    &l.combine_rows,
-                                &l.combine_scalars, &l.self_rows, &l.scratch,  &l.tile_counter,
-                                &l.stage_rows};
+                                &l.combine_scalars, &l.self_rows, &l.send_counts, &l.send_offsets,
+                                &l.send_row_to_slot, &l.scratch,  &l.tile_counter,    &l.stage_rows};
   for (int i = 0; i < kEpRegions; ++i) *fields[i] = r[i].offset;
   l.total = ep_total_bytes(r);
   return l;

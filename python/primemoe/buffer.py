@@ -358,7 +358,9 @@ class Buffer:
         """Sends every routed row of ``x`` to its expert's rank (collective). Returns, for this rank
         as receiver, ``expert_counts`` int32 [E_local] and ``expert_offsets`` int32 [E_local + 1] of the
         ``recv_rows`` region, and as sender ``slot_valid`` bool [T, K]. ``wait=False``: the stream does
-        not wait for the other ranks' rows; the consumer waits per expert on ``rows_ready()``."""
+        not wait for the other ranks' rows; the consumer waits per expert on ``rows_ready()``. ``x``,
+        ``topk_idx``, ``topk_weights`` and the returned tensors must stay alive until the work after the
+        dispatch on the stream has ended (a GEMM may run alongside it)."""
         self._check_open()
         return lib.ep_dispatch(self.workspace, self.epoch, x, topk_idx, topk_weights, self.rank, self.world,
                                self.max_tokens_per_rank, self.local_experts, self.row_align, self.num_sms, wait,
@@ -375,7 +377,8 @@ class Buffer:
 
     def combine(self, rows, expert_offsets, row_scalars=None) -> None:
         """Pushes each received row of ``rows`` ([max_recv_rows, H], receive layout) and of ``row_scalars``
-        back to its source slot's ``combine_rows`` / ``combine_scalars`` (collective).
+        back to its source slot's ``combine_rows`` / ``combine_scalars`` (collective). The rows of this rank's own
+        slots stay in ``rows``: row ``region("self_rows")[slot]`` (their scalars are written).
         ``expert_offsets``: from the dispatch whose receive layout ``rows`` is in."""
         self._check_open()
         lib.ep_combine(self.workspace, self.epoch, rows, row_scalars, expert_offsets, self.rank, self.world,

@@ -107,6 +107,8 @@ class BufferTransport:
         In the backward, the views are read before this rank's next dispatch, and no rank writes into this
         rank's receive region before that dispatch has exchanged its counts: no copies needed."""
         self.counts, self.offsets, self.slot_valid = self.buffer.dispatch(src, self.topk_idx, topk_weights, wait=wait)
+        # Held with the layout for the pass: the dispatch may still read them while the GEMM after it allocates.
+        self.src, self.topk_weights = src, topk_weights
         # The receive region is sized for the worst case; only its routed rows are read downstream.
         return self.buffer.region("recv_rows"), self.counts, self.offsets
 
