@@ -307,13 +307,21 @@ def test_buffer_attributes_and_destroy(model_buffers):
                           torch.empty(E, H, I, dtype=torch.bfloat16), buf)
 
 
-def test_num_sms(model_buffers, monkeypatch):
+@pytest.fixture
+def every_sm():
+    """The GEMMs' SM budget is process-wide: restored to every SM after the test."""
+    yield
+    primemoe.set_num_sms(None)
+
+
+def test_num_sms(model_buffers, monkeypatch, every_sm):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert dgc.get_num_sms() is None
     run_world((1,), lambda rank, group: dgc.get_symm_buffer_for_mega_moe(group, E, 4, K, H, I))
     assert model_buffers[-1].num_sms == DEFAULT_NUM_SMS
     dgc.set_num_sms(116)  # prime-rl: the device's 132 SMs minus 16 reserved for communication
     assert dgc.get_num_sms() == 116
+    assert primemoe.get_num_sms() == 116  # the expert GEMMs' grid too
     run_world((1,), lambda rank, group: dgc.get_symm_buffer_for_mega_moe(group, E, 4, K, H, I))
     assert model_buffers[-1].num_sms == DEFAULT_NUM_SMS  # dispatch/combine stay within the budget
     dgc.set_num_sms(8)
@@ -323,6 +331,22 @@ def test_num_sms(model_buffers, monkeypatch):
         dgc.set_num_sms(0)
     with pytest.raises(TypeError, match="set_num_sms: expected an int, got float"):
         dgc.set_num_sms(8.0)
+
+
+def test_primemoe_num_sms(every_sm, monkeypatch):
+    """primemoe.set_num_sms: the GEMMs' budget, None restores every SM; a layer's result does not depend on it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert primemoe.get_num_sms() is None
+    primemoe.set_num_sms(66)
+    assert primemoe.get_num_sms() == 66 and torch.ops.primemoe._num_sms_budget() == 66
+    primemoe.set_num_sms(None)
+    assert primemoe.get_num_sms() is None
+    with pytest.raises(ValueError, match="set_num_sms: expected a positive int, got -3"):
+        primemoe.set_num_sms(-3)
+    with pytest.raises(TypeError, match="set_num_sms: expected an int or None, got bool"):
+        primemoe.set_num_sms(True)
+    with pytest.raises(RuntimeError, match="set_num_sms: expected a positive number of SMs"):
+        torch.ops.primemoe._set_num_sms(-1)
 
 
 # ---------------------------------------------------------------- what is not supported, and bad arguments

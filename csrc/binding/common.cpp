@@ -46,6 +46,23 @@ int sm_count(int device) {
   return n;
 }
 
+namespace {
+std::atomic<int64_t> sm_budget{0};
+}  // namespace
+
+void set_gemm_sm_budget(int64_t n) {
+  PRIMEMOE_CHECK(n >= 0, "set_num_sms: expected a positive number of SMs (0: every SM), got ", n);
+  sm_budget.store(n, std::memory_order_relaxed);
+}
+
+int64_t gemm_sm_budget() { return sm_budget.load(std::memory_order_relaxed); }
+
+int gemm_sms(int device) {
+  const int n = sm_count(device);
+  const int64_t budget = gemm_sm_budget();
+  return budget > 0 && budget < n ? static_cast<int>(budget) : n;
+}
+
 Tensor empty_like_device(const Tensor& t, IntArrayRef sizes, std::optional<ScalarType> dtype) {
   return torch::stable::new_empty(t, sizes, dtype);
 }
@@ -69,7 +86,10 @@ std::string describe_error(const ErrorRecord& rec) {
     const bool names_expert = phase == kWaitArrivals || phase == kWaitGemmRows;
     return "primemoe: rank " + std::to_string(rec.limit) + " timed out waiting for " + awaited + " (" +
            what[phase] + (names_expert ? std::to_string(rec.index0) : std::string()) +
-           (phase == kWaitGemmRows ? ", before its expert GEMM" : "") + "); the results of that call are invalid";
+           (phase == kWaitGemmRows ? ", before its expert GEMM" : "") + "); the results of that call are invalid" +
+           (phase == kWaitCounts ? ": that rank did not start the same dispatch (it raised an error, e.g. more tokens "
+                                   "than max_tokens_per_rank, or it makes a different sequence of primemoe calls)"
+                                 : "");
   }
   return "primemoe: device error code " + std::to_string(rec.code);
 }

@@ -67,6 +67,12 @@ inline bool same_shape(IntArrayRef a, IntArrayRef b) { return a.equals(b); }
 cudaStream_t current_stream(const Tensor& t);
 // The multiprocessor count of `device` (cudaDevAttrMultiProcessorCount, as torch's device properties report it).
 int sm_count(int device);
+// The SMs the expert GEMMs' persistent grids take on `device`: sm_count, or fewer where set_gemm_sm_budget set fewer
+// (primemoe.set_num_sms: SMs left to other work, e.g. communication kernels running beside the GEMMs).
+int gemm_sms(int device);
+// 0: every SM (the default); n > 0: at most n. Process-wide, as DeepGEMM's set_num_sms.
+void set_gemm_sm_budget(int64_t n);
+int64_t gemm_sm_budget();
 // A new uninitialised tensor of `sizes` on t's device, of t's dtype or `dtype`.
 Tensor empty_like_device(const Tensor& t, IntArrayRef sizes, std::optional<ScalarType> dtype = std::nullopt);
 // The same, filled with zeros.

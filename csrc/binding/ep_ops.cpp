@@ -130,7 +130,8 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
   const EpLayout l = ep_layout(c);
   check_workspace(workspace, epoch, c, l);
   PRIMEMOE_CHECK(x.size(0) <= max_tokens, "x: ", x.size(0), " tokens exceed the buffer's max_tokens_per_rank ",
-                 max_tokens);
+                 max_tokens, " (nothing was sent: the other ranks' dispatch times out waiting for this rank and "
+                 "reports it)");
   PRIMEMOE_CHECK(same_shape(topk_weights.sizes(), topk_idx.sizes()), "topk_weights: expected the shape of topk_idx");
   PRIMEMOE_CHECK(num_sms >= 1, "num_sms: expected >= 1");
   const int64_t experts = world * local_experts;

@@ -108,7 +108,7 @@ Tensor fp8_expert_gemm_cuda(const Tensor& a, const Tensor& a_scale, const Tensor
   g.row_weight = row_weight.has_value() ? data_of<float>(*row_weight) : nullptr;
   g.out = out.data_ptr();
   g.out_fp32 = out_fp32;
-  g.num_sms = sm_count(a.get_device_index());
+  g.num_sms = gemm_sms(a.get_device_index());
   run_fp8_gemm(g, a, "fp8_expert_gemm");
   return out;
 }
@@ -134,7 +134,7 @@ Tensor fp8_expert_wgrad_cuda(const Tensor& a_t, const Tensor& a_scale, const Ten
   g.expert_rows = expert_rows.has_value() ? data_of<int32_t>(*expert_rows) : nullptr;
   g.out = out.data_ptr();
   g.out_fp32 = out_fp32;
-  g.num_sms = sm_count(a_t.get_device_index());
+  g.num_sms = gemm_sms(a_t.get_device_index());
   run_fp8_gemm(g, a_t, "fp8_expert_wgrad");
   return out;
 }

@@ -45,7 +45,7 @@ GroupedGemmArgs gemm_args(GemmSchedule schedule, GemmEpilogue epilogue, const Te
   g.num_experts = static_cast<int32_t>(offsets.numel() - 1);
   g.expert_offsets = data_of<int32_t>(offsets);
   g.out = out.data_ptr();
-  g.num_sms = sm_count(a.get_device_index());
+  g.num_sms = gemm_sms(a.get_device_index());
   return g;
 }
 
@@ -147,9 +147,9 @@ void check_overlap_sms(int64_t overlap_sms, const std::optional<Tensor>& rows_re
   PRIMEMOE_CHECK(rows_ready.has_value(),
                  "overlap_sms: only with rows_ready (the wait that orders the GEMM's reads after the dispatch's writes)");
   if (rows.is_cuda()) {
-    const int64_t sms = sm_count(rows.get_device_index());
-    PRIMEMOE_CHECK(overlap_sms < sms, "overlap_sms: the dispatch's ", overlap_sms, " SMs leave none of the device's ",
-                   sms, " to the GEMM");
+    const int64_t sms = gemm_sms(rows.get_device_index());
+    PRIMEMOE_CHECK(overlap_sms < sms, "overlap_sms: the dispatch's ", overlap_sms, " SMs leave none of the GEMMs' ",
+                   sms, " (primemoe.get_num_sms)");
   }
 }
 

@@ -107,9 +107,16 @@ LayoutResult launch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t 
 
 STABLE_TORCH_LIBRARY_IMPL(primemoe, CUDA, m) { m.impl("dispatch_layout", TORCH_BOX(&dispatch_layout_cuda)); }
 
+namespace {
+void set_num_sms_op(int64_t n) { set_gemm_sm_budget(n); }
+int64_t num_sms_budget_op() { return gemm_sm_budget(); }
+}  // namespace
+
 STABLE_TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
   m.impl("_layout_max_rows", TORCH_BOX(&layout_max_rows_op));
   m.impl("_constant", TORCH_BOX(&constant_op));
+  m.impl("_set_num_sms", TORCH_BOX(&set_num_sms_op));
+  m.impl("_num_sms_budget", TORCH_BOX(&num_sms_budget_op));
 }
 
 }  // namespace primemoe

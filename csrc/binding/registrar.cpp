@@ -35,6 +35,9 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   m.def("_layout_max_rows(int num_slots, int local_experts, int row_align) -> int");
   // A size of the C++ layer by name (gemm_row_align, gemm_tile_n, gemm_swiglu_tile_n, layout_max_local_experts).
   m.def("_constant(str name) -> int");
+  // The expert GEMMs' SM budget (primemoe.set_num_sms / get_num_sms): 0 = every SM.
+  m.def("_set_num_sms(int n) -> ()");
+  m.def("_num_sms_budget() -> int");
 
   // ---------------------------------------------------------------- rows (rows_ops.cpp)
   m.def(

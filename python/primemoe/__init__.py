@@ -19,10 +19,12 @@ from . import baseline, ep, layer, nn, reference  # noqa: E402
 from .buffer import Buffer
 from .layer import moe
 from .routing import route
+from .sm_budget import get_num_sms, set_num_sms
 
 __version__ = _runtime.version()
 
-__all__ = ["moe", "route", "Buffer", "check_errors", "DeviceError", "reference", "baseline", "nn"]
+__all__ = ["moe", "route", "Buffer", "check_errors", "DeviceError", "reference", "baseline", "nn", "set_num_sms",
+           "get_num_sms"]
 
 
 class DeviceError(RuntimeError):

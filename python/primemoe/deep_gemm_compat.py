@@ -45,6 +45,7 @@ from . import layer
 from ._validate import check_moe_inputs
 from .buffer import DEFAULT_NUM_SMS, Buffer
 from .ep import BufferTransport, check_buffer_problem
+from .sm_budget import set_num_sms as set_gemm_sms
 
 __all__ = ["SymmBuffer", "get_symm_buffer_for_mega_moe", "bf16_mega_moe", "bf16_mega_moe_backward", "set_num_sms",
            "get_num_sms", "BF16_MMA_TYPE"]
@@ -61,15 +62,15 @@ _num_sms: Optional[int] = None
 
 def set_num_sms(n):
     """The SM budget of the Mega MoE kernels (DeepGEMM's ``set_num_sms``; prime-rl sets the device's SMs minus
-    those it reserves for other communication). Stored here; ``get_num_sms`` returns it. What reads it: the
-    dispatch/combine kernels of each Buffer ``get_symm_buffer_for_mega_moe`` creates afterwards run on
-    ``min(buffer.DEFAULT_NUM_SMS, n)`` SMs. The expert GEMM engine does not read it: its persistent grid
-    always spans every SM of the device."""
+    those it reserves for other communication). ``get_num_sms`` returns it. What reads it: the expert GEMMs'
+    persistent grids (``primemoe.set_num_sms``, process-wide), and the dispatch/combine kernels of each Buffer
+    ``get_symm_buffer_for_mega_moe`` creates afterwards, which run on ``min(buffer.DEFAULT_NUM_SMS, n)`` SMs."""
     global _num_sms
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"set_num_sms: expected an int, got {type(n).__name__}")
     if n < 1:
         raise ValueError(f"set_num_sms: expected a positive int, got {n}")
+    set_gemm_sms(n)
     _num_sms = n
 
 

@@ -388,6 +388,49 @@ def test_fc1_producer_waits_for_rows_ready(config):
     primemoe.check_errors()
 
 
+def test_gemms_launched_beside_a_dispatch_give_the_plain_bits():
+    """The overlapped path's launches (programmatically dependent, FC1 claiming from a given counter, FC2 dgrad on
+    the SMs a dispatch leaves) with satisfied counters: the same bits as the plain launches."""
+    e = engine_operands([300, 0, 1, 700, 129, 64], hidden=256, inter=256, seed=9, device="cuda")
+    ready = torch.full((6,), 6, dtype=torch.int64, device="cuda")
+    epoch = torch.full((1,), 2, dtype=torch.int64, device="cuda")
+    plain_fc1 = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
+    plain_dgrad = ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets)
+    torch.cuda.synchronize()  # nothing left running for the programmatic launches to overlap
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")  # as the dispatch leaves it
+    torch.cuda.synchronize()
+    fc1 = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True, ready, epoch, 3, 0, tile_counter=counter, overlap_sms=16)
+    torch.cuda.synchronize()
+    dgrad = ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets, True, ready, epoch, 3, 0,
+                                 overlap_sms=16)
+    for got, want in zip((*fc1, *dgrad), (*plain_fc1, *plain_dgrad)):
+        assert torch.equal(got, want)
+    assert int(counter) > 0  # FC1 claimed its tiles from the given counter
+    primemoe.check_errors()
+
+
+def test_sm_budget_gives_the_same_bits():
+    """primemoe.set_num_sms caps the GEMMs' persistent grids; every tile is computed the same whichever CTA takes
+    it, so the results are bitwise those of the full grid."""
+    e = engine_operands([300, 0, 1, 700, 129, 64, 1000, 63], hidden=512, inter=512, seed=10, device="cuda")
+    run = {
+        "fc1": lambda: ops.fc1_swiglu(e.xs, e.w1, e.offsets, True),
+        "fc2": lambda: (ops.expert_gemm(e.a, e.w2, e.offsets, False, e.row_weight),),
+        "fc2 dgrad": lambda: ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets),
+        "wgrad": lambda: (ops.expert_wgrad(e.dy_rows, e.a, e.offsets),),
+    }
+    full = {name: fn() for name, fn in run.items()}
+    try:
+        primemoe.set_num_sms(37)
+        assert primemoe.get_num_sms() == 37
+        capped = {name: fn() for name, fn in run.items()}
+    finally:
+        primemoe.set_num_sms(None)
+    for name in run:
+        for got, want in zip(capped[name], full[name]):
+            assert torch.equal(got, want), f"{name}: the SM budget changed the result"
+
+
 def test_fc1_rows_ready_timeout_names_rank_and_expert(monkeypatch):
     monkeypatch.setenv("PRIMEMOE_WAIT_TIMEOUT_S", "0.2")
     e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=7, device="cuda")
