@@ -173,6 +173,16 @@ def test_expert_parallel_variants(variant):
     assert_moe_outputs_match(out, reference64(problem), composite(problem), problem)
 
 
+@pytest.mark.parametrize("keep_fc1", [True, False])
+@pytest.mark.parametrize("row_align", [1, 4])
+def test_one_rank_gathers_its_rows_again_in_the_backward(keep_fc1, row_align):
+    """A Buffer of one rank keeps no rows from the forward: the backward gathers x's rows into the receive layout
+    (the local layout at the buffer's row alignment) again."""
+    problem = make_problem(29, *SHAPE, routing="skewed", seed=31)
+    out = run_ranks(problem, (29,), row_align=row_align, keep_fc1=keep_fc1)
+    assert_moe_outputs_match(out, reference64(problem), composite(problem), problem)
+
+
 # ---------------------------------------------------------------- the ops on one rank
 
 
@@ -195,11 +205,12 @@ def test_ep_ops_shapes_match_their_fakes(keep_fc1):
         with torch._subclasses.FakeTensorMode() as mode:
             fake = torch.ops.primemoe._ep_moe_forward(*(mode.from_tensor(a) if torch.is_tensor(a) else a
                                                          for a in args))
-        want = [(p.x.shape[0], H), (rows if keep_fc1 else 0, p.w1.shape[1]), (rows if save_rows else 0, H)]
+        # One rank keeps no rows: the backward gathers them from x again.
+        want = [(p.x.shape[0], H), (rows if keep_fc1 else 0, p.w1.shape[1]), (0, H)]
         assert [tuple(t.shape) for t in real] == [tuple(t.shape) for t in fake] == want
         assert [t.dtype for t in real] == [t.dtype for t in fake]
     _, fc1_out, saved_rows = real  # of the forward that saved its rows
-    grads = torch.ops.primemoe._ep_moe_backward(p.dy, p.topk_idx, p.topk_weights, p.w1, p.w2,
+    grads = torch.ops.primemoe._ep_moe_backward(p.dy, p.x, p.topk_idx, p.topk_weights, p.w1, p.w2,
                                                 fc1_out if keep_fc1 else None, saved_rows, buffer.handle)
     assert [tuple(g.shape) for g in grads] == [tuple(p.x.shape), tuple(p.topk_idx.shape), tuple(p.w1.shape),
                                                tuple(p.w2.shape)]
@@ -216,10 +227,23 @@ def test_ep_ops_name_a_closed_or_unknown_buffer():
 
 
 def test_ep_backward_without_saved_rows_is_a_clear_error():
-    buffer, p = one_rank(5)
-    with pytest.raises(RuntimeError, match="the forward kept no rows"):
-        torch.ops.primemoe._ep_moe_backward(p.dy, p.topk_idx, p.topk_weights, p.w1, p.w2, None,
+    """With more than one rank the backward needs the rows the forward kept (one rank gathers them from x)."""
+    world = World(2)
+    results = world.run(lambda rank: _backward_without_rows(world, rank))
+    assert all("the forward kept no rows" in r for r in results)
+
+
+def _backward_without_rows(world, rank):
+    hidden, inter, experts, top_k = SHAPE
+    buffer = ModelBuffer(world, rank, max_tokens_per_rank=16, hidden=hidden, intermediate=inter,
+                         num_experts=experts, top_k=top_k, row_align=1)
+    p = make_problem(16, *SHAPE, routing="masked", seed=5 + rank)
+    try:
+        torch.ops.primemoe._ep_moe_backward(p.dy, p.x, p.topk_idx, p.topk_weights, p.w1, p.w2, None,
                                             p.x.new_empty(0, p.x.shape[1]), buffer.handle)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
 
 
 def test_torch_compile_fullgraph_through_the_buffer_ops():

@@ -24,8 +24,8 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
       "_ep_moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, int buffer, "
       "str precision=\"bf16\", bool keep_fc1=True, bool save_rows=True) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "_ep_moe_backward(Tensor dy, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, Tensor? fc1_out, "
-      "Tensor saved_rows, int buffer, str precision=\"bf16\") -> (Tensor, Tensor, Tensor, Tensor)");
+      "_ep_moe_backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, "
+      "Tensor? fc1_out, Tensor saved_rows, int buffer, str precision=\"bf16\") -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---------------------------------------------------------------- layout (layout_ops.cpp)
   m.def(

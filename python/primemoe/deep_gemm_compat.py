@@ -247,7 +247,7 @@ class _ReplayTransport(BufferTransport):
 
     def backward_rows(self, x):
         rows, _, _ = self.dispatch(x, self._topk_weights)
-        return self.save_rows(rows)
+        return torch.ops.primemoe.copy_routed_rows(rows, self.offsets)
 
 
 def bf16_mega_moe(y, l1, l2, sym_buffer, cumulative_local_expert_recv_stats=None, activation="swiglu",

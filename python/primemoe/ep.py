@@ -136,7 +136,10 @@ class BufferTransport:
     def save_rows(self, rows):
         """What the backward needs of the forward's rows: the next dispatch (of any layer sharing the
         buffer) overwrites the receive region. Only the routed rows are copied: the backward reads no
-        row past them."""
+        row past them. With one rank nothing is kept: every row came from this rank's ``x``, and the
+        backward gathers them from it again (``backward_rows``)."""
+        if self.buffer.world == 1:
+            return rows.new_empty(0, rows.shape[1])
         return lib.copy_routed_rows(rows, self.offsets)
 
     def relayout(self, rows, row_align):
@@ -146,8 +149,18 @@ class BufferTransport:
                              f"has row_align={self.row_align}")
         return rows
 
-    def backward_rows(self, saved):
-        """The forward's rows in the backward's receive layout: the same routing gives the same layout."""
-        if saved is None or saved.shape[0] == 0:
+    def backward_rows(self, source):
+        """The forward's rows in the backward's receive layout (the same routing gives the same layout), from
+        ``source`` = ``(x, saved)``: the rows ``save_rows`` kept, or with one rank, ``x``'s rows gathered into
+        the receive layout, which is then the local layout at the buffer's row alignment."""
+        x, saved = source
+        if saved is not None and saved.shape[0]:
+            return saved
+        if self.buffer.world != 1:
             raise RuntimeError("buffer: the forward kept no rows for a backward (no input required grad)")
-        return saved
+        E = self.buffer.local_experts
+        _, offsets, slot_to_row, row_to_slot = lib.dispatch_layout(self.topk_idx, E, 0, E, self.row_align)
+        # As tall as the receive region (the other row operands'); the gather writes only the routed rows.
+        padded = row_to_slot.new_full((self.buffer.region("recv_rows").shape[0],), -1)
+        padded[:row_to_slot.shape[0]] = row_to_slot
+        return lib.gather_rows(x, padded, self.topk_idx.shape[1], None, slot_to_row, offsets)

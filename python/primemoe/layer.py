@@ -432,22 +432,23 @@ def _ep_moe_forward(x, topk_idx, topk_weights, w1, w2, buffer, precision="bf16",
     return y, fc1_out, (x.new_empty(0, x.shape[1]) if saved is None else saved)
 
 
-def _ep_moe_backward(dy, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows, buffer, precision="bf16"):
+def _ep_moe_backward(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows, buffer, precision="bf16"):
     check_precision(precision)
     transport = BufferTransport(lookup_buffer(buffer), topk_idx)
-    return backward(transport, dy, saved_rows, topk_weights, w1, w2, fc1_out, precision=precision)
+    return backward(transport, dy, (x, saved_rows), topk_weights, w1, w2, fc1_out, precision=precision)
 
 
 @torch.library.register_fake("primemoe::_ep_moe_forward")
 def _ep_moe_forward_fake(x, topk_idx, topk_weights, w1, w2, buffer, precision="bf16", keep_fc1=True,
                          save_rows=True):
-    rows = lookup_buffer(buffer).region("recv_rows").shape[0]  # the receive layout's worst case
-    return (x.new_empty(x.shape), x.new_empty(rows if keep_fc1 else 0, w1.shape[1]),
-            x.new_empty(rows if save_rows else 0, x.shape[1]))
+    buf = lookup_buffer(buffer)
+    rows = buf.region("recv_rows").shape[0]  # the receive layout's worst case
+    saved = rows if save_rows and buf.world > 1 else 0  # BufferTransport.save_rows
+    return (x.new_empty(x.shape), x.new_empty(rows if keep_fc1 else 0, w1.shape[1]), x.new_empty(saved, x.shape[1]))
 
 
 @torch.library.register_fake("primemoe::_ep_moe_backward")
-def _ep_moe_backward_fake(dy, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows, buffer, precision="bf16"):
+def _ep_moe_backward_fake(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows, buffer, precision="bf16"):
     return (dy.new_empty(dy.shape), topk_weights.new_empty(topk_weights.shape, dtype=torch.float32),
             w1.new_empty(w1.shape), w2.new_empty(w2.shape))
 
@@ -464,15 +465,16 @@ def _ep_setup_context(ctx, inputs, output):
     _, fc1_out, saved_rows = output
     ctx.set_materialize_grads(False)  # only y has a gradient: no zeros are made for the other outputs
     ctx.buffer, ctx.precision, ctx.weights_dtype = buffer, precision, topk_weights.dtype
-    ctx.save_for_backward(topk_idx, topk_weights, w1, w2, fc1_out if keep_fc1 else None, saved_rows)
+    # x: with one rank the backward gathers its rows again instead of keeping them (BufferTransport.save_rows).
+    ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2, fc1_out if keep_fc1 else None, saved_rows)
 
 
 def _ep_backward(ctx, dy, _d_fc1_out, _d_saved_rows):
-    topk_idx, topk_weights, w1, w2, fc1_out, saved_rows = ctx.saved_tensors
+    x, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows = ctx.saved_tensors
     if dy is None:  # every rank still takes part in the backward's dispatch and combine
         dy = w1.new_zeros(topk_idx.shape[0], w1.shape[2])
-    dx, dtw, dw1, dw2 = lib._ep_moe_backward(dy.contiguous(), topk_idx, topk_weights, w1, w2, fc1_out, saved_rows,
-                                             ctx.buffer, ctx.precision)
+    dx, dtw, dw1, dw2 = lib._ep_moe_backward(dy.contiguous(), x, topk_idx, topk_weights, w1, w2, fc1_out,
+                                             saved_rows, ctx.buffer, ctx.precision)
     return dx, None, dtw.to(ctx.weights_dtype), dw1, dw2, None, None, None, None
 
 
