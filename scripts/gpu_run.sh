@@ -18,6 +18,8 @@
 # bench     the layer benchmark, EP = 1 and 2 (EP = 2 is reported skipped on one GPU); BENCH_ARGS replaces its
 #           arguments, e.g. BENCH_ARGS="--shapes qwen3-235b-a22b --tokens 8192 --ep 1"
 # stages    per-stage times of the single-GPU layer (scripts/stage_times.py; STAGES_ARGS adds options)
+# timeline  per-kernel timeline of one forward+backward, the single-GPU layer against the Buffer path at EP = 1 with
+#           the overlap on and off (scripts/ep_timeline.py; TIMELINE_ARGS adds options) -> timeline.txt
 # ncu       Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py; NCU_ARGS adds options,
 #           e.g. NCU_ARGS="--shape qwen3-235b-a22b --tokens 8192", or --dgrad)
 # comm      the dispatch/combine benchmark at EP = 2; commprof: their region and kernel times on every GPU
@@ -28,6 +30,8 @@
 # pytest    pytest with $PYTEST_ARGS (e.g. PYTEST_ARGS="tests/gpu/test_fp8_gemm_gpu.py -x")
 #
 # REUSE_BUILD=1 skips the build when an earlier call on the same (still warm) machine built these sources.
+# PREBUILT_WHEEL=<path> installs that wheel (e.g. one built on the CPU machine against another torch minor, carried
+# in .whl/) instead of building: the GPU suite then runs on exactly that binary.
 # PRIMEMOE_GIT_COMMIT=<hash> names the commit in the benchmark JSONs (the copy here has no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +50,11 @@ export PYTHONPATH=/tmp/cutlass-site
 start=$(date +%s)
 src_hash=$(find csrc python third_party .whl setup.py pyproject.toml CMakeLists.txt -type f ! -name '*.so' \
              ! -path '*__pycache__*' ! -path '*.egg-info*' | sort | xargs sha1sum | sha1sum)
-if [ "${REUSE_BUILD:-0}" = 1 ] && [ "$(cat /tmp/primemoe-built-sources 2>/dev/null)" = "$src_hash" ] \
+if [ -n "${PREBUILT_WHEEL:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps --force-reinstall "$PREBUILT_WHEEL" > "$OUT/build.log" 2>&1 \
+    || { tail -20 "$OUT/build.log"; exit 1; }
+  echo "installed the prebuilt $(basename "$PREBUILT_WHEEL") (torch here: $($PY -c 'import torch; print(torch.__version__)'))"
+elif [ "${REUSE_BUILD:-0}" = 1 ] && [ "$(cat /tmp/primemoe-built-sources 2>/dev/null)" = "$src_hash" ] \
    && $PY -c "import primemoe._C" 2>/dev/null; then
   echo "build: reusing the earlier install of these sources"
 else
@@ -114,6 +122,8 @@ for step in $STEPS; do
     bench) $PY -m primemoe.bench ${BENCH_ARGS:-$BENCH_SHAPES --ep 1 2} --out "$TABLES/bench" 2>&1 \
              | tee "$OUT/bench.log" | tail -30; keep_json bench ;;
     stages) $PY scripts/stage_times.py --out "$OUT/stages.json" ${STAGES_ARGS:-} 2>&1 | tee "$OUT/stages.log" ;;
+    timeline) $PY scripts/ep_timeline.py ${TIMELINE_ARGS:-} > "$OUT/timeline.txt" 2>&1
+              grep "==" "$OUT/timeline.txt" ;;
     ncu) skip=2; case " ${NCU_ARGS:-} " in *" --dgrad "*) skip=4 ;; esac  # the launches ncu_engine.py warms up with
          ncu --clock-control none -k regex:grouped_gemm --launch-skip $skip --launch-count 2 \
            --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
