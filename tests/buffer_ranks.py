@@ -202,7 +202,17 @@ def moe_cases(rank, world, cases_path, out_dir):
             for name, case in data["cases"].items():
                 results[name] = _cpu(run_moe(moe, mine(case)))
             if data.get("repeat") is not None:
-                results["repeat"] = _cpu(run_moe(moe, mine(data["cases"][data["repeat"]])))
+                repeat = mine(data["cases"][data["repeat"]])
+                results["repeat"] = _cpu(run_moe(moe, repeat))
+                # The same call with one rank late: the last on the host (it starts 0.3 s after the others, which
+                # wait for it on the device), rank 0 on the device (a 20 ms spin queued before its dispatch, so the
+                # others' sends and FC1 run before its own).
+                if rank == world - 1:
+                    time.sleep(0.3)
+                results["host_delayed"] = _cpu(run_moe(moe, repeat))
+                if rank == 0:
+                    torch.cuda._sleep(30_000_000)
+                results["device_delayed"] = _cpu(run_moe(moe, repeat))
             if data.get("layered") is not None:
                 layered = data["layered"]
                 results["layered"] = [_cpu(o) for o in _layered(moe, *(mine(data["cases"][n]) for n in layered))]

@@ -363,6 +363,18 @@ def test_moe_with_buffer_repeats_bitwise(moe_run):
 @pytest.mark.gpu
 @pytest.mark.ep
 @pytest.mark.parametrize("moe_run", each_moe_run(), indirect=True)
+def test_a_late_rank_changes_nothing(moe_run):
+    """One rank late on the host or on the device (buffer_ranks.moe_cases): the others wait for it, and every
+    output is bitwise that of the call without a delay."""
+    data, per_rank = moe_run
+    for rank, results in enumerate(per_rank):
+        for delayed in ("host_delayed", "device_delayed"):
+            assert_equal(results[delayed], results[data["repeat"]], f"rank {rank}: {delayed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.ep
+@pytest.mark.parametrize("moe_run", each_moe_run(), indirect=True)
 def test_overlapped_equals_sequential_bitwise(moe_run):
     """Buffer(overlap=True) (FC1 alongside the dispatch) against overlap=False (FC1 after it): the same bits."""
     data, per_rank = moe_run

@@ -431,6 +431,60 @@ def test_sm_budget_gives_the_same_bits():
             assert torch.equal(got, want), f"{name}: the SM budget changed the result"
 
 
+def _release_late(rows, true_rows, ready, value, cycles):
+    """On a side stream: a device spin of `cycles`, then the rows written, then their counters released."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)
+        rows.copy_(true_rows)
+        ready.fill_(value)
+    return side
+
+
+def test_fc1_producer_really_waits_for_a_late_counter():
+    """The rows and their counters are released late on another stream (after a ~20 ms device spin), with SMs
+    left free for it: FC1 launched before them must wait, and its result is that of the released rows."""
+    e = engine_operands([300, 0, 1, 129] * 8, hidden=256, inter=256, seed=11, device="cuda")
+    plain = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
+    rows = torch.full_like(e.xs, float("nan"))  # what FC1 would read without waiting
+    ready = torch.zeros(32, dtype=torch.int64, device="cuda")
+    epoch = torch.ones(1, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    try:
+        primemoe.set_num_sms(primemoe.get_num_sms() - 4)  # room for the releasing kernels
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        hooked = ops.fc1_swiglu(rows, e.w1, e.offsets, True, ready, epoch, 2, 0)
+        end.record()
+        side = _release_late(rows, e.xs, ready, 2, 40_000_000)
+        torch.cuda.synchronize()
+    finally:
+        primemoe.set_num_sms(None)
+    del side
+    assert start.elapsed_time(end) > 5.0, "FC1 ended before the rows were released: it did not wait"
+    assert torch.equal(hooked[0], plain[0]) and torch.equal(hooked[1], plain[1])
+    primemoe.check_errors()
+
+
+def test_a_grid_on_every_sm_ends_in_the_timeout_not_a_hang(monkeypatch):
+    """FC1 on every SM, each CTA waiting for rows that only a kernel queued behind it would release: nothing can
+    run, so the wait times out and names the expert and the phase; then the queued kernel runs."""
+    monkeypatch.setenv("PRIMEMOE_WAIT_TIMEOUT_S", "0.5")
+    e = engine_operands([128 * 80], hidden=256, inter=256, seed=12, device="cuda")  # 160 tiles: a CTA on every SM
+    ready = torch.zeros(1, dtype=torch.int64, device="cuda")
+    epoch = torch.ones(1, dtype=torch.int64, device="cuda")
+    rows = e.xs.clone()
+    torch.cuda.synchronize()
+    ops.fc1_swiglu(rows, e.w1, e.offsets, True, ready, epoch, 2, 3)
+    side = _release_late(rows, e.xs, ready, 2, 1000)
+    with pytest.raises(primemoe.DeviceError, match=r"rank 3 timed out .*rows of local expert 0, before its expert GEMM"):
+        primemoe.check_errors()
+    side.synchronize()
+    assert int(ready[0]) == 2  # the queued kernel ran after the timeout
+    primemoe.check_errors()
+
+
 def test_fc1_rows_ready_timeout_names_rank_and_expert(monkeypatch):
     monkeypatch.setenv("PRIMEMOE_WAIT_TIMEOUT_S", "0.2")
     e = engine_operands([3, 0, 130], hidden=256, inter=256, seed=7, device="cuda")
