@@ -50,21 +50,23 @@ def test_layout_matches_a_hand_computation():
         "send_counts": (800, torch.int32, (6,)),  # W * E: 24 -> 832
         "send_offsets": (832, torch.int32, (7,)),  # 28 -> 864
         "send_row_to_slot": (864, torch.int32, (6,)),  # 24 -> 896
-        "scratch": (896, torch.int32, (6, 10)),  # (W + 1) * E + 1 = 10 per row: 240 -> 1136
-        "tile_counter": (1136, torch.int32, (1,)),  # 4 -> 1152
-        "stage_rows": (1152, torch.bfloat16, (0, 8)),  # no rank sends by puts: empty
+        "result_flags": (896, torch.int64, (1,)),  # one per 64 receive rows (+ 1): 8 -> 912
+        "result_counts": (912, torch.int32, (1,)),  # 4 -> 928
+        "scratch": (928, torch.int32, (6, 10)),  # (W + 1) * E + 1 = 10 per row: 240 -> 1168
+        "tile_counter": (1168, torch.int32, (1,)),  # 4 -> 1184
+        "stage_rows": (1184, torch.bfloat16, (0, 8)),  # no rank sends by puts: empty
     }
     layout, total = ep_layout(config)
     assert layout == expected
-    assert total == 1152
+    assert total == 1184
     assert ep_arrivals_per_epoch(config) == 3  # one per source rank, one for this rank's padding
 
 
 def test_put_peers_add_only_the_staging_region_at_the_end():
     stores, stores_total = ep_layout(EpConfig(**HAND_SIZES, put_peers=False))
     puts, puts_total = ep_layout(EpConfig(**HAND_SIZES, put_peers=True))
-    assert puts.pop("stage_rows") == (1152, torch.bfloat16, (21, 8))  # R x H bf16: 336 bytes
-    assert puts_total == 1152 + 336
+    assert puts.pop("stage_rows") == (1184, torch.bfloat16, (21, 8))  # R x H bf16: 336 bytes
+    assert puts_total == 1184 + 336
     stores.pop("stage_rows")
     assert puts == stores
 
@@ -75,7 +77,7 @@ def test_layout_is_the_extensions():
     counters' gain per dispatch, then the total."""
     config = EpConfig(**HAND_SIZES, put_peers=False)
     lines = torch.ops.primemoe._ep_workspace_layout(*dataclasses.astuple(config)).splitlines()
-    assert lines[4] == "recv_rows bfloat16 112 21,8" and lines[-1] == "total 1152"
+    assert lines[4] == "recv_rows bfloat16 112 21,8" and lines[-1] == "total 1184"
     assert lines[-2] == "arrivals_per_epoch 3"
     layout, _ = ep_layout(config)
     assert list(layout) == [line.split()[0] for line in lines[:-2]]

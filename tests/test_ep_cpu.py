@@ -18,7 +18,7 @@ from helpers import OUTPUT_NAMES, ROUTINGS, Outputs, assert_moe_outputs_match, m
 from naive import composite
 
 from primemoe import ep, layer
-from primemoe.buffer import EpConfig, ep_layout, ep_region
+from primemoe.buffer import EpConfig, ep_arrivals_per_epoch, ep_layout, ep_region
 
 SHAPE = (64, 32, 8, 2)  # H, I, E, K
 
@@ -83,7 +83,15 @@ class ModelBuffer:
         self.regions = {name: ep_region(workspace, name, world.size, max_tokens_per_rank, hidden, top_k,
                                         self.local_experts, row_align, put_peers=False) for name in layout}
         self.gen = torch.Generator().manual_seed(rank)
+        self.epoch = torch.ones(1, dtype=torch.int64)
+        self.arrivals_per_epoch = ep_arrivals_per_epoch(config)
         self.handle = ep.register_buffer(self)
+
+    def rows_ready(self):
+        """Every row is in place when dispatch returns: the counters are set to their target."""
+        arrivals = self.regions["expert_arrivals"]
+        arrivals.fill_(int(self.epoch) * self.arrivals_per_epoch)
+        return arrivals, self.epoch, self.arrivals_per_epoch, self.rank, self.regions["tile_counter"]
 
     def region(self, name):
         return self.regions[name]
@@ -120,7 +128,7 @@ class ModelBuffer:
         slot_valid = (topk_idx >= 0) & (topk_idx < E)
         return torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), slot_valid
 
-    def combine(self, rows, expert_offsets, row_scalars=None):
+    def combine(self, rows, expert_offsets, row_scalars=None, *, published=False):
         R, S = self.max_recv_rows, self.max_slots
         assert rows.dtype == torch.bfloat16 and tuple(rows.shape) == (R, self.hidden) and rows.is_contiguous()
         assert row_scalars is None or (row_scalars.dtype == torch.float32 and tuple(row_scalars.shape) == (R,))
@@ -180,6 +188,45 @@ def test_one_rank_gathers_its_rows_again_in_the_backward(keep_fc1, row_align):
     (the local layout at the buffer's row alignment) again."""
     problem = make_problem(29, *SHAPE, routing="skewed", seed=31)
     out = run_ranks(problem, (29,), row_align=row_align, keep_fc1=keep_fc1)
+    assert_moe_outputs_match(out, reference64(problem), composite(problem), problem)
+
+
+# The engine's kernels tile the hidden and intermediate sizes by 256 columns.
+ENGINE_SHAPE = (256, 256, 8, 2)  # H, I, E, K
+
+
+@pytest.mark.parametrize("keep_fc1", [True, False])
+@pytest.mark.parametrize("tokens_per_rank", [(21, 30), (17,)])
+def test_overlapped_engine_composition_over_a_buffer(tokens_per_rank, keep_fc1):
+    """The layer's composition over a Buffer with the engine's ops (their CPU kernels), as on a GPU with
+    overlap=True: FC1 and FC2's dgrad on the dispatch's hook with overlap_sms, FC2 and FC1's dgrad publishing their
+    rows for a combine started right after them. Checks the wiring of the overlapped path in CI."""
+    problem = make_problem(sum(tokens_per_rank), *ENGINE_SHAPE, routing="masked", seed=9)
+    world = World(len(tokens_per_rank))
+    hidden, inter, experts, top_k = ENGINE_SHAPE
+    calls = []
+
+    def rank_main(rank):
+        buffer = ModelBuffer(world, rank, max_tokens_per_rank=max(tokens_per_rank), hidden=hidden,
+                             intermediate=inter, num_experts=experts, top_k=top_k, row_align=64)
+        transport = ep.BufferTransport(buffer, None)
+        assert transport.overlap_sms == buffer.num_sms and transport.results_done() is not None
+        mine = rank_problem(problem, rank, tokens_per_rank, "cpu")
+        published = []
+        combine = buffer.combine
+        buffer.combine = lambda *args, **kwargs: (published.append(kwargs.get("published")), combine(*args, **kwargs))
+        fwd = ep.BufferTransport(buffer, mine.topk_idx)
+        y, fc1_out, saved = layer.forward(fwd, mine.x, mine.topk_weights, mine.w1, mine.w2, keep_fc1=keep_fc1,
+                                          save_rows=True, engine=True)
+        bwd = ep.BufferTransport(buffer, mine.topk_idx)
+        grads = layer.backward(bwd, mine.dy, (mine.x, saved), mine.topk_weights, mine.w1, mine.w2,
+                               fc1_out if keep_fc1 else None, engine=True)
+        calls.append(published)
+        return Outputs(y, *grads)
+
+    results = world.run(rank_main)
+    out = Outputs(**{name: torch.cat([getattr(r, name) for r in results]) for name in OUTPUT_NAMES})
+    assert all(published == [True, True] for published in calls)  # both combines alongside their GEMMs
     assert_moe_outputs_match(out, reference64(problem), composite(problem), problem)
 
 

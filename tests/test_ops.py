@@ -204,6 +204,32 @@ def test_dispatch_hook_arguments_are_checked(engine):
         ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets, True, ready[:2], epoch)
 
 
+def test_expert_gemm_publishing_its_rows(engine):
+    """done_*: the row blocks published for a combine alongside (the CPU kernel publishes every block: flags = the
+    epoch, counts back to 0); checked arguments."""
+    rows, w2 = engine.a, engine.w2
+    w2 = torch.randn(w2.shape[0], 256, w2.shape[2]).bfloat16()  # published results need whole 256-column tiles
+    blocks = rows.shape[0] // 64 + 1
+    flags, counts = torch.zeros(blocks, dtype=torch.int64), torch.full((blocks,), 7, dtype=torch.int32)
+    epoch = torch.full((1,), 5, dtype=torch.int64)
+    plain = ops.expert_gemm(rows, w2, engine.offsets, False)
+    published = ops.expert_gemm(rows, w2, engine.offsets, False, done_flags=flags, done_counts=counts,
+                                done_epoch=epoch, done_sms=16)
+    assert torch.equal(published, plain)
+    assert torch.equal(flags, torch.full_like(flags, 5)) and not counts.any()
+    torch.library.opcheck(ops.expert_gemm, (rows, w2, engine.offsets, False),
+                          dict(done_flags=flags, done_counts=counts, done_epoch=epoch, done_sms=16))
+    with pytest.raises(RuntimeError, match="done_flags, done_counts, done_epoch: give all three or none"):
+        ops.expert_gemm(rows, w2, engine.offsets, False, done_flags=flags)
+    with pytest.raises(RuntimeError, match="done_flags: expected a contiguous int64 tensor of at least"):
+        ops.expert_gemm(rows, w2, engine.offsets, False, done_flags=flags[:1], done_counts=counts, done_epoch=epoch)
+    with pytest.raises(RuntimeError, match="done_sms: only with done_flags"):
+        ops.expert_gemm(rows, w2, engine.offsets, False, done_sms=16)
+    with pytest.raises(RuntimeError, match="published results need output columns in whole tiles of 256"):
+        ops.expert_gemm(rows, engine.w2, engine.offsets, False, done_flags=flags, done_counts=counts,
+                        done_epoch=epoch)
+
+
 def test_combine_reduce_reads_local_rows(engine):
     """slot_to_row r <= -2 takes row -2 - r of local_rows (the expert-parallel combine's own rows)."""
     rows = torch.randn(5, 16).to(torch.bfloat16)

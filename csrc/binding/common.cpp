@@ -79,11 +79,13 @@ std::string describe_error(const ErrorRecord& rec) {
   }
   if (rec.code == kWaitTimeout) {
     static const char* what[] = {"its send counts", "its rows for local expert ", "its combine results",
-                                 "the rows of local expert "};
+                                 "the rows of local expert ", "the GEMM's results in receive row block "};
     static_assert(sizeof(what) / sizeof(what[0]) == kWaitPhases, "one description per WaitPhase");
     const int64_t phase = rec.index1 >= 0 && rec.index1 < kWaitPhases ? rec.index1 : 0;
-    const std::string awaited = rec.value >= 0 ? "rank " + std::to_string(rec.value) : "a source rank";
-    const bool names_expert = phase == kWaitArrivals || phase == kWaitGemmRows;
+    const std::string awaited = phase == kWaitResults ? "this rank's GEMM"
+                                : rec.value >= 0     ? "rank " + std::to_string(rec.value)
+                                                     : "a source rank";
+    const bool names_expert = phase == kWaitArrivals || phase == kWaitGemmRows || phase == kWaitResults;
     return "primemoe: rank " + std::to_string(rec.limit) + " timed out waiting for " + awaited + " (" +
            what[phase] + (names_expert ? std::to_string(rec.index0) : std::string()) +
            (phase == kWaitGemmRows ? ", before its expert GEMM" : "") + "); the results of that call are invalid" +

@@ -4,12 +4,15 @@
 #include <string>
 
 #include "common.h"
+#include "gemm/grouped_gemm.cuh"
 #include "kernels/dispatch_layout.cuh"
 #include "runtime/ep_kernels.cuh"
 #include "runtime/ep_workspace.cuh"
 #include "runtime/nvshmem_runtime.cuh"
 
 namespace primemoe {
+// The combine waits per block of the rows the GEMM publishes per warpgroup share.
+static_assert(kEpResultBlockRows == kGemmRowAlign, "one result flag per 64-row block of the GEMM");
 namespace {
 
 Tensor nvshmem_unique_id_op() {
@@ -173,7 +176,7 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
 void ep_combine_cuda(Tensor& workspace, Tensor& epoch, const Tensor& rows, const std::optional<Tensor>& row_scalars,
                      const Tensor& expert_offsets, int64_t rank, int64_t world, int64_t max_tokens, int64_t hidden,
                      int64_t top_k, int64_t local_experts, int64_t row_align, int64_t num_sms, bool put_peers,
-                     bool force_put) {
+                     bool force_put, bool published) {
   const EpConfig c = ep_config(rank, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers,
                                force_put);
   const EpLayout l = ep_layout(c);
@@ -198,6 +201,8 @@ void ep_combine_cuda(Tensor& workspace, Tensor& epoch, const Tensor& rows, const
   a.epoch = data_of<int64_t>(epoch);
   a.rows = rows.data_ptr();
   a.row_scalars = row_scalars.has_value() ? data_of<float>(*row_scalars) : nullptr;
+  // published: `rows` comes from the GEMM launched just before, which publishes its row blocks in result_flags.
+  a.result_flags = published ? reinterpret_cast<const uint64_t*>(a.workspace + l.result_flags) : nullptr;
   a.expert_offsets = data_of<int32_t>(expert_offsets);
   a.scratch = ep_scratch(a.workspace, l, c);
   a.num_blocks = static_cast<int32_t>(num_sms);

@@ -100,15 +100,52 @@ void check_row_weight(const std::optional<Tensor>& row_weight, const Tensor& row
   check_same_device(*row_weight, rows, "row_weight");
 }
 
+// done_* (GroupedGemmArgs::done): all three or none; one flag and one count per 64-row block of the rows.
+void check_done_args(const Tensor& rows, const std::optional<Tensor>& flags, const std::optional<Tensor>& counts,
+                     const std::optional<Tensor>& epoch, int64_t done_sms) {
+  PRIMEMOE_CHECK(done_sms >= 0, "done_sms: expected >= 0, got ", done_sms);
+  if (!flags.has_value() && !counts.has_value() && !epoch.has_value()) {
+    PRIMEMOE_CHECK(done_sms == 0, "done_sms: only with done_flags");
+    return;
+  }
+  PRIMEMOE_CHECK(flags.has_value() && counts.has_value() && epoch.has_value(),
+                 "done_flags, done_counts, done_epoch: give all three or none");
+  const int64_t blocks = rows.size(0) / kGemmRowAlign + 1;
+  PRIMEMOE_CHECK(flags->scalar_type() == ScalarType::Long && flags->is_contiguous() && flags->numel() >= blocks,
+                 "done_flags: expected a contiguous int64 tensor of at least ", blocks, " flags (one per 64 rows)");
+  PRIMEMOE_CHECK(counts->scalar_type() == ScalarType::Int && counts->is_contiguous() && counts->numel() >= blocks,
+                 "done_counts: expected a contiguous int32 tensor of at least ", blocks, " counts (one per 64 rows)");
+  PRIMEMOE_CHECK(epoch->scalar_type() == ScalarType::Long && epoch->numel() == 1,
+                 "done_epoch: expected a 1-element int64 tensor");
+  for (const auto& [t, name] : {std::pair{&*flags, "done_flags"}, std::pair{&*counts, "done_counts"},
+                                std::pair{&*epoch, "done_epoch"}}) {
+    check_same_device(*t, rows, name);
+  }
+  if (rows.is_cuda()) {
+    const int64_t sms = gemm_sms(rows.get_device_index());
+    PRIMEMOE_CHECK(done_sms < sms, "done_sms: ", done_sms, " SMs for the reader leave none of the GEMMs' ", sms);
+  }
+}
+
 void check_expert_gemm_args(const Tensor& rows, const Tensor& w, const Tensor& offsets, bool w_kn,
-                            const std::optional<Tensor>& row_weight) {
+                            const std::optional<Tensor>& row_weight, const std::optional<Tensor>& done_flags,
+                            const std::optional<Tensor>& done_counts, const std::optional<Tensor>& done_epoch,
+                            int64_t done_sms) {
   check_row_gemm_args(rows, w, offsets, w_kn);
   check_row_weight(row_weight, rows);
+  check_done_args(rows, done_flags, done_counts, done_epoch, done_sms);
+  if (done_flags.has_value()) {
+    const int64_t n = w_kn ? w.size(2) : w.size(1);
+    PRIMEMOE_CHECK(n % kGemmTileN == 0, "done_flags: published results need output columns in whole tiles of ",
+                   kGemmTileN, ", got ", n);
+  }
 }
 
 Tensor expert_gemm_cuda(const Tensor& rows, const Tensor& w, const Tensor& offsets, bool w_kn,
-                        const std::optional<Tensor>& row_weight, bool zero_unrouted) {
-  check_expert_gemm_args(rows, w, offsets, w_kn, row_weight);
+                        const std::optional<Tensor>& row_weight, bool zero_unrouted,
+                        const std::optional<Tensor>& done_flags, const std::optional<Tensor>& done_counts,
+                        const std::optional<Tensor>& done_epoch, int64_t done_sms) {
+  check_expert_gemm_args(rows, w, offsets, w_kn, row_weight, done_flags, done_counts, done_epoch, done_sms);
   const DeviceGuard guard(rows.get_device_index());
   const int64_t n = w_kn ? w.size(2) : w.size(1);
   auto out = empty_like_device(rows, {rows.size(0), n});
@@ -116,6 +153,13 @@ Tensor expert_gemm_cuda(const Tensor& rows, const Tensor& w, const Tensor& offse
   auto g = gemm_args(GemmSchedule::kRows, GemmEpilogue::kStore, rows, w, !w_kn, 0, n, rows.size(1), offsets, out,
                      zero_unrouted);
   g.row_weight = row_weight.has_value() ? data_of<float>(*row_weight) : nullptr;
+  if (done_flags.has_value()) {
+    g.done.flags = reinterpret_cast<uint64_t*>(data_of<int64_t>(*done_flags));
+    g.done.counts = data_of<int32_t>(*done_counts);
+    g.done.epoch = data_of<int64_t>(*done_epoch);
+    g.done.cols = static_cast<int32_t>(n / kGemmTileN);
+    g.done.consumer_sms = static_cast<int32_t>(done_sms);
+  }
   run_gemm(g, rows, "expert_gemm");
   return out;
 }
@@ -284,8 +328,9 @@ std::string expert_gemm_unsupported_op(int64_t device, int64_t hidden, int64_t i
 }
 
 // The checks the CPU kernels (python/primemoe/_cpu.py) run through _check_args.
-const ArgCheckRegistration expert_gemm_check("expert_gemm", 4, 2, [](const OpArgs& a) {
-  check_expert_gemm_args(a.tensor(0), a.tensor(1), a.tensor(2), a.integer(0) != 0, a.optional(3));
+const ArgCheckRegistration expert_gemm_check("expert_gemm", 7, 3, [](const OpArgs& a) {
+  check_expert_gemm_args(a.tensor(0), a.tensor(1), a.tensor(2), a.integer(0) != 0, a.optional(3), a.optional(4),
+                         a.optional(5), a.optional(6), a.integer(2));
 });
 const ArgCheckRegistration fc1_check("fc1_swiglu", 6, 5, [](const OpArgs& a) {
   check_fc1_args(a.tensor(0), a.tensor(1), a.tensor(2), a.optional(3), a.optional(4), a.integer(1), a.optional(5),

@@ -56,7 +56,8 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   // callers that read only the routed rows.
   m.def(
       "expert_gemm(Tensor rows, Tensor w, Tensor expert_offsets, bool w_kn, Tensor? row_weight=None, "
-      "bool zero_unrouted=True) -> Tensor");
+      "bool zero_unrouted=True, Tensor(f!)? done_flags=None, Tensor(c!)? done_counts=None, Tensor? done_epoch=None, "
+      "int done_sms=0) -> Tensor");
   m.def(
       "fc1_swiglu(Tensor rows, Tensor w1, Tensor expert_offsets, bool keep_fc1, Tensor? rows_ready=None, "
       "Tensor? epoch=None, int per_epoch=1, int rank=0, bool zero_unrouted=True, Tensor(t!)? tile_counter=None, "
@@ -91,7 +92,7 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   m.def(
       "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "
       "int rank, int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, int num_sms, "
-      "bool put_peers=False, bool force_put=False) -> ()");
+      "bool put_peers=False, bool force_put=False, bool published=False) -> ()");
 
   // ---------------------------------------------------------------- FP8 quantisation (quant_ops.cpp)
   // Blockwise E4M3, one fp32 dequantisation scale per tile (python/primemoe/fp8.py; pow2: scales rounded up to

@@ -105,7 +105,8 @@ GemmConfig choose_gemm_config(const GroupedGemmArgs& a) {
   if (a.schedule != GemmSchedule::kRows) return config;
   const bool claimed = claimed_order_pays(a);
   config.claim_tiles = gemm_claims_tiles(a.schedule, a.epilogue) && (claimed || a.tile_counter != nullptr);
-  config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major) && claimed && a.hook.counters == nullptr;
+  config.merge_tails = gemm_merges_tails(a.schedule, a.epilogue, a.b_k_major) && claimed && a.hook.counters == nullptr &&
+                       a.done.flags == nullptr;
   return config;
 }
 
@@ -125,6 +126,11 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   using namespace sm90;
   if (config.claim_tiles && a.tile_counter == nullptr) return cudaErrorInvalidValue;
   if (a.overlap_sms > 0 && a.hook.counters == nullptr) return cudaErrorInvalidValue;
+  // Published results: the row GEMMs' plain epilogue, whole 64-row blocks (no 192-row tiles).
+  if (a.done.flags != nullptr && (a.schedule != GemmSchedule::kRows || a.epilogue != GemmEpilogue::kStore ||
+                                  config.merge_tails || a.done.cols != a.n / kGemmTileN)) {
+    return cudaErrorInvalidValue;
+  }
   if (!gemm_config_built(a, config)) return cudaErrorNotSupported;
   GemmParams params{};
   params.args = a;
@@ -152,7 +158,8 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   if (err == cudaSuccess && out2 != nullptr) err = make_map(&params.tma_out2, out2, 2 * uint64_t(a.n), rows, 1, 64);
   if (err != cudaSuccess) return err;
   // A static order's CTA that waits for an SM the dispatch holds would start its whole share late.
-  const int sms = a.overlap_sms > 0 && !config.claim_tiles ? a.num_sms - a.overlap_sms : a.num_sms;
+  int sms = a.overlap_sms > 0 && !config.claim_tiles ? a.num_sms - a.overlap_sms : a.num_sms;
+  if (a.done.flags != nullptr) sms -= a.done.consumer_sms;  // the dependent that reads the results runs beside it
   const int grid = sms > 0 ? sms : 1;
 #define PRIMEMOE_LAUNCH(S, E, BK, CLAIM, MERGE)                                                          \
   if (a.schedule == GemmSchedule::S && a.epilogue == GemmEpilogue::E && a.b_k_major == BK &&            \

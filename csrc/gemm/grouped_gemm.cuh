@@ -49,6 +49,18 @@ struct RowsReadyHook {
   uint64_t timeout_ns = 0;
 };
 
+// kRows + kStore, optional: the result rows are published per 64-row block as their stores land, for a kernel that
+// runs alongside and reads them (the expert-parallel combine, launched programmatically dependent on this GEMM).
+// counts[b] += 1 per column tile of block b done; the tile that brings it to `cols` resets it and sets flags[b] =
+// *epoch (release). The GEMM lets its dependent start at once and leaves it `consumer_sms` SMs.
+struct RowsDone {
+  uint64_t* flags = nullptr;  // null: nothing published
+  int32_t* counts = nullptr;
+  const int64_t* epoch = nullptr;
+  int32_t cols = 0;           // column tiles per row block: n / kGemmTileN
+  int32_t consumer_sms = 0;
+};
+
 struct GroupedGemmArgs {
   GemmSchedule schedule;
   GemmEpilogue epilogue;
@@ -90,6 +102,7 @@ struct GroupedGemmArgs {
   // CTA (those on the dispatch's SMs start late and claim fewer tiles), the static one only the SMs left. Only with
   // the hook, whose waits order its reads of the rows after their writes.
   int32_t overlap_sms;
+  RowsDone done;
   ErrorRecord* error;
   int32_t num_sms;
 };

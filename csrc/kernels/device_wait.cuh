@@ -10,7 +10,14 @@
 namespace primemoe {
 
 // Recorded in ErrorRecord::index1 of a kWaitTimeout.
-enum WaitPhase : int64_t { kWaitCounts = 0, kWaitArrivals = 1, kWaitCombine = 2, kWaitGemmRows = 3, kWaitPhases = 4 };
+enum WaitPhase : int64_t {
+  kWaitCounts = 0,
+  kWaitArrivals = 1,
+  kWaitCombine = 2,
+  kWaitGemmRows = 3,
+  kWaitResults = 4,  // the combine, for a block of result rows from the GEMM beside it
+  kWaitPhases = 5
+};
 
 #ifdef __CUDACC__
 // Spins until *flag >= target. Returns false after recording a timeout.

@@ -114,6 +114,13 @@ __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.com
 
 // Every committed bulk store of this thread has finished reading shared memory.
 __device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Until at most N of this thread's bulk store groups are pending, their writes to global memory done (not only
+// their reads of shared memory).
+template <int N>
+__device__ __forceinline__ void store_wait_written() { asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");

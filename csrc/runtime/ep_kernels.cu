@@ -135,6 +135,7 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   // The rows kernel counts here, and the GEMM that waits on this dispatch claims its tiles here.
   for (int i = threadIdx.x; i < W * E; i += blockDim.x) a.scratch.send_done[i] = 0;
   for (int e = threadIdx.x; e < E; e += blockDim.x) a.scratch.pad_done[e] = 0;
+  for (int src = threadIdx.x; src < W; src += blockDim.x) a.scratch.combine_done[src] = 0;  // this epoch's combine
   if (threadIdx.x == 0) *a.scratch.tile_counter = 0;
   for (int p = 0; p < W; ++p) {
     const PeerWriter to(a.workspace, p, c);
@@ -377,9 +378,8 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
       if (a.scratch.recv_from[src] == 0) nvshmemx_signal_op(combine_flags + me, epoch, NVSHMEM_SIGNAL_SET, src);
     }
   }
-  int32_t begin, end;
-  warp_row_range(0, a.expert_offsets[c.local_experts], blockIdx.x * kRowWarps + threadIdx.x / 32,
-                 gridDim.x * kRowWarps, &begin, &end);
+  const int32_t warp = blockIdx.x * kRowWarps + threadIdx.x / 32, warps = gridDim.x * kRowWarps;
+  const int32_t total = a.expert_offsets[c.local_experts];
   int run_src = -1;  // source rank of the current run of rows
   PeerWriter to(a.workspace, me, c);  // writes into run_src
   int32_t run_rows = 0;
@@ -389,11 +389,12 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
                 NVSHMEM_SIGNAL_SET, run_src, lane, to.puts());
     run_rows = 0;
   };
-  for (int32_t batch = begin; batch < end; batch += 32) {
+  // The rows [batch, end) of the receive layout, at most 32.
+  auto send_batch = [&](int32_t batch, int32_t end) {
     const int32_t mine = batch + lane;  // lane l looks up row batch + l
     const int32_t my_meta = mine < end ? recv_meta[mine] : -1;
     const float my_scalar = mine < end && a.row_scalars != nullptr ? a.row_scalars[mine] : 0.0f;
-    const int rows = min(32, end - batch);
+    const int rows = end - batch;
     for (int i = 0; i < rows; ++i) {
       const int32_t meta = __shfl_sync(0xffffffffu, my_meta, i);
       if (meta < 0) continue;  // padding row
@@ -410,8 +411,29 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
       if (lane == i && a.row_scalars != nullptr) to.value(combine_scalars + slot, my_scalar);
       ++run_rows;
     }
+  };
+  if (a.result_flags == nullptr) {
+    // Every row is there: each warp one contiguous share (a run per source, few publishes).
+    int32_t begin, end;
+    warp_row_range(0, total, warp, warps, &begin, &end);
+    for (int32_t batch = begin; batch < end; batch += 32) send_batch(batch, min(batch + 32, end));
+  } else {
+    // Alongside the GEMM: 32-row chunks dealt round-robin, so the warps follow the GEMM through the rows and the
+    // last block's rows leave right after it is written. Each chunk waits for its 64-row block's flag.
+    static_assert(kEpResultBlockRows % 32 == 0, "a chunk inside one block");
+    for (int32_t batch = warp * 32; batch < total; batch += warps * 32) {
+      const int64_t block = batch / kEpResultBlockRows;
+      if (lane == 0) {
+        wait_at_least(a.result_flags + block, epoch, a.timeout_ns, a.error, me, -1, block, kWaitResults);
+      }
+      __syncwarp();
+      send_batch(batch, min(batch + 32, total));
+    }
   }
   finish_run();
+  // Launched programmatically after the GEMM whose results it sends: it ends only after that GEMM, so what follows
+  // on the stream may rely on both. A no-op otherwise.
+  wait_for_previous_kernel();
 }
 
 __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs a) {
@@ -441,10 +463,17 @@ cudaError_t launch_ep_dispatch(const EpDispatchArgs& args, cudaStream_t stream) 
 
 cudaError_t launch_ep_combine(const EpCombineArgs& a, cudaStream_t stream) {
   if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
-  cudaError_t err = cudaMemsetAsync(a.scratch.combine_done, 0, size_t(a.cfg.world) * sizeof(int32_t), stream);
-  if (err != cudaSuccess) return err;
-  ep_combine_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
-  err = cudaGetLastError();
+  cudaError_t err;
+  if (a.result_flags != nullptr) {
+    // Starts while the GEMM before it runs (it lets this kernel start and leaves it SMs), waiting per row block.
+    err = launch_chained(ep_combine_rows_kernel, dim3(a.num_blocks), dim3(kRowThreads), 0, stream, a);
+  } else {
+    // Zeroed by the dispatch too; again here, so a second combine of one dispatch counts from zero.
+    err = cudaMemsetAsync(a.scratch.combine_done, 0, size_t(a.cfg.world) * sizeof(int32_t), stream);
+    if (err != cudaSuccess) return err;
+    ep_combine_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
+    err = cudaGetLastError();
+  }
   if (err == cudaSuccess) err = launch_chained(ep_wait_combine_kernel, dim3(1), dim3(kThreads), 0, stream, a);
   return err;
 }

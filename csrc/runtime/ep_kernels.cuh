@@ -19,7 +19,8 @@
 //            source; the layer skips it and FC1's producer waits per expert instead)
 // combine  = push every received row back to its source's `combine_rows[slot]` (a row of this rank's own
 //            slot stays where it is: the dispatch noted its place in `self_rows`), signal each source when
-//            its rows are done, wait for all sources.
+//            its rows are done, wait for all sources. With result_flags, the rows kernel runs alongside the
+//            GEMM that writes the rows and sends each 64-row block once that GEMM has published it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,7 +37,7 @@ struct EpScratch {      // this rank's own part of the workspace (the scratch re
   int32_t* send_base;   // [W][E_local] first row of this rank's rows in dest's receive region
   int32_t* send_done;   // [W][E_local] rows written so far (zeroed by the notify kernel)
   int32_t* recv_from;   // [W] rows this rank receives from each source (for combine)
-  int32_t* combine_done;  // [W] rows pushed back so far (zeroed by the launcher)
+  int32_t* combine_done;  // [W] rows pushed back so far (zeroed by the notify kernel)
   // [(W + 1) E_local + 1] the rows kernel's work in the order it sends it, as the start of each entry in one
   // sequence of rows: expert-major (all of local expert 0's rows, to every destination, then expert 1's, ...), per
   // expert the destinations from this rank's next one on, then this rank's own padding rows of the expert.
@@ -80,6 +81,10 @@ struct EpCombineArgs {
   const void* rows;            // [max_recv_rows, H] bf16 in the receive layout
   const float* row_scalars;    // [max_recv_rows] or null
   const int32_t* expert_offsets;  // [E_local + 1] from this epoch's dispatch
+  // Null: `rows` is complete. Else the GEMM that writes it runs alongside (this combine is launched programmatically
+  // dependent on it) and publishes each 64-row block here (the workspace's result_flags, GroupedGemmArgs::done):
+  // a block is sent once its flag reaches the epoch.
+  const uint64_t* result_flags;
   EpScratch scratch;
   int32_t num_blocks;
   uint64_t timeout_ns;

@@ -51,6 +51,11 @@ struct EpLayout {
   size_t send_counts;       // int32 [W * E_local]
   size_t send_offsets;      // int32 [W * E_local + 1]
   size_t send_row_to_slot;  // int32 [max_slots]
+  // The GEMM whose result rows a combine sends back (FC2, FC1's dgrad) publishes them per 64-row block of the receive
+  // layout: result_counts[b] counts the block's column tiles done, and the tile that completes the block resets it
+  // and sets result_flags[b] to the epoch; the combine, running alongside, sends a block once its flag is there.
+  size_t result_flags;      // uint64 [max_recv_rows / 64 + 1]
+  size_t result_counts;     // int32 [max_recv_rows / 64 + 1]
   size_t scratch;          // int32 [6][(W + 1) * E_local + 1]: this rank's own bookkeeping (EpScratch), never read remotely
   size_t tile_counter;     // int32 [1]: the claimed tile order's counter of the GEMM that waits on this dispatch, zeroed
                            // by it (so no fill kernel separates the dispatch from that GEMM)
@@ -97,7 +102,11 @@ struct EpRegion {
   }
 };
 
-constexpr int kEpRegions = 16;
+constexpr int kEpRegions = 18;
+
+// Rows per block of the published GEMM results (GroupedGemmArgs::done): a warpgroup's share of a tile.
+constexpr int64_t kEpResultBlockRows = 64;
+PRIMEMOE_HOST_DEVICE constexpr int64_t ep_result_blocks(int64_t rows) { return rows / kEpResultBlockRows + 1; }
 
 // expert_arrivals[e] grows by this much per dispatch: one signal per source rank once its rows of e have landed, and
 // one from this rank once e's padding rows are zeroed.
@@ -126,6 +135,8 @@ inline std::array<EpRegion, kEpRegions> ep_regions(const EpConfig& c) {
       {"send_counts", EpElement::kInt32, 1, {W * E}, 0},
       {"send_offsets", EpElement::kInt32, 1, {W * E + 1}, 0},
       {"send_row_to_slot", EpElement::kInt32, 1, {S}, 0},
+      {"result_flags", EpElement::kUInt64, 1, {ep_result_blocks(R)}, 0},
+      {"result_counts", EpElement::kInt32, 1, {ep_result_blocks(R)}, 0},
       {"scratch", EpElement::kInt32, 2, {6, ep_send_order_entries(W, E) + 1}, 0},
       {"tile_counter", EpElement::kInt32, 1, {1}, 0},
       {"stage_rows", EpElement::kBFloat16, 2, {c.put_peers ? R : 0, H}, 0},
@@ -149,7 +160,8 @@ inline EpLayout ep_layout(const EpConfig& c) {
   size_t* fields[kEpRegions] = {&l.count_matrix, &l.count_flags,  &l.expert_arrivals, &l.combine_flags,
                                 &l.recv_rows,    &l.recv_meta,    &l.recv_weights,    &l.combine_rows,
                                 &l.combine_scalars, &l.self_rows, &l.send_counts, &l.send_offsets,
-                                &l.send_row_to_slot, &l.scratch,  &l.tile_counter,    &l.stage_rows};
+                                &l.send_row_to_slot, &l.result_flags, &l.result_counts, &l.scratch,
+                                &l.tile_counter, &l.stage_rows};
   for (int i = 0; i < kEpRegions; ++i) *fields[i] = r[i].offset;
   l.total = ep_total_bytes(r);
   return l;

@@ -146,12 +146,19 @@ def _expert_products(rows, w, expert_offsets, w_kn):
 
 
 @_cpu_kernel("expert_gemm")
-def expert_gemm(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True):
-    """The rows past the routed ones are zeros either way (zeros are one of the undefined values)."""
-    _check("expert_gemm", [rows, w, expert_offsets, row_weight], [w_kn, zero_unrouted])
+def expert_gemm(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True, done_flags=None, done_counts=None,
+                done_epoch=None, done_sms=0):
+    """The rows past the routed ones are zeros either way (zeros are one of the undefined values). With done_*: every
+    64-row block is published (done_flags = the epoch, done_counts back to 0), as the GPU kernel leaves them."""
+    _check("expert_gemm", [rows, w, expert_offsets, row_weight, done_flags, done_counts, done_epoch],
+           [w_kn, zero_unrouted, done_sms])
     out = _expert_products(rows, w, expert_offsets, w_kn)
     if row_weight is not None:
         out *= row_weight.unsqueeze(1)
+    if done_flags is not None:
+        blocks = rows.shape[0] // 64 + 1
+        done_flags[:blocks] = done_epoch.reshape(())
+        done_counts[:blocks] = 0
     return out.to(torch.bfloat16)
 
 

@@ -120,11 +120,26 @@ class BufferTransport:
         # Padding rows have weight 0 (the dispatch writes it).
         return self.buffer.region("recv_weights")
 
-    def combine(self, rows, row_scalars=None):
-        """``(out [T, H], slot scalars fp32 [T, K] or None)``: each token's sum of its slots' rows, and
-        each slot's scalar (0 for slots that were not routed). Rows past the last expert are never sent."""
+    def results_done(self):
+        """Where the GEMM whose rows the next combine sends publishes them (``expert_gemm``'s ``done_*``):
+        ``(flags, counts, epoch, sms)`` with the overlap (the combine then runs alongside that GEMM on the
+        Buffer's SMs), else None."""
+        if not self.overlap_sms:
+            return None
+        b = self.buffer
+        return b.region("result_flags"), b.region("result_counts"), b.epoch, self.overlap_sms
+
+    def combine_start(self, rows, row_scalars=None, published=False):
+        """Starts sending each received row of ``rows`` back (``published``: ``rows`` is being written by the
+        GEMM launched just before, which publishes its row blocks; nothing may come between the two)."""
+        self._combined = (rows, row_scalars)
+        self.buffer.combine(rows, self.offsets, row_scalars, published=published)
+
+    def combine_finish(self):
+        """``combine``'s result, after ``combine_start``."""
+        rows, row_scalars = self._combined
+        del self._combined
         T, K = self.topk_idx.shape
-        self.buffer.combine(rows, self.offsets, row_scalars)
         first = self.buffer.rank * self.buffer.local_experts
         self_slot = (self.topk_idx >= first) & (self.topk_idx < first + self.buffer.local_experts)
         slot_map = _slot_map(self.slot_valid, self_slot, self.buffer.region("self_rows")[:T * K])
@@ -132,6 +147,12 @@ class BufferTransport:
         if row_scalars is None:
             return out, None
         return out, torch.where(self.slot_valid, self.buffer.region("combine_scalars")[:T * K].view(T, K), 0.0)
+
+    def combine(self, rows, row_scalars=None):
+        """``(out [T, H], slot scalars fp32 [T, K] or None)``: each token's sum of its slots' rows, and
+        each slot's scalar (0 for slots that were not routed). Rows past the last expert are never sent."""
+        self.combine_start(rows, row_scalars)
+        return self.combine_finish()
 
     def save_rows(self, rows):
         """What the backward needs of the forward's rows: the next dispatch (of any layer sharing the

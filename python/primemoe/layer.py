@@ -139,15 +139,25 @@ def expert_fc1(xs, w1, offsets, keep_fc1, engine, rows_ready=None, overlap_sms=0
     return _fallback.fc1(xs, w1, offsets, keep_fc1)
 
 
-def expert_fc2(a, w2, offsets, row_weight, engine):
+def _done_args(done):
+    """``expert_gemm``'s publishing arguments from a transport's ``results_done()``."""
+    if done is None:
+        return {}
+    flags, counts, epoch, sms = done
+    return dict(done_flags=flags, done_counts=counts, done_epoch=epoch, done_sms=sms)
+
+
+def expert_fc2(a, w2, offsets, row_weight, engine, done=None):
     """``row_weight * FC2(a)`` per expert: the routing weight is applied here (in the engine's
-    epilogue), so the combine only sums a token's rows."""
+    epilogue), so the combine only sums a token's rows. ``done`` (engine only): ``results_done()``,
+    where the rows are published for a combine started right after."""
     if engine:
-        return lib.expert_gemm(a, w2, offsets, False, row_weight, zero_unrouted=False)
+        return lib.expert_gemm(a, w2, offsets, False, row_weight, zero_unrouted=False, **_done_args(done))
     return _fallback.fc2(a, w2, offsets, row_weight)
 
 
-def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine, rows_ready=None, overlap_sms=0):
+def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine, rows_ready=None, overlap_sms=0,
+                    done=None, on_dxs=None):
     """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
     *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed); ``counts``: the
     layout's routed rows per expert (the engine's weight gradients skip the padding with them). Returns
@@ -155,6 +165,8 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
     (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept. ``rows_ready`` and
     ``overlap_sms`` (engine only, as ``expert_fc1``'s): FC2's dgrad waits for ``dy_rows`` per expert and, with
     ``overlap_sms``, runs alongside their dispatch (then ``h`` is given: nothing may come between the two).
+    ``on_dxs(dxs, dtw_rows)`` (engine only) is called right after FC1's dgrad, before ``dw1``: the combine starts
+    there, alongside that GEMM when ``done`` (``results_done()``) has it publish ``dxs``.
     Reads no row of ``xs`` past ``offsets[-1]`` (the Buffer path saves only those): the engine skips
     tiles past the routed rows, ``torch._grouped_mm`` reads only the rows inside its groups."""
     if not engine:
@@ -163,11 +175,14 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
         h = lib.expert_gemm(xs, w1, offsets, False, zero_unrouted=False)
     hook = () if rows_ready is None else rows_ready[:4]  # FC2's dgrad claims no tiles: no tile counter
     dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets, False, *hook, overlap_sms=overlap_sms)
-    dw2 = lib.expert_wgrad(dy_rows, aw, offsets, counts)
-    dxs = lib.expert_gemm(dh, w1, offsets, True, zero_unrouted=False)
-    dw1 = lib.expert_wgrad(dh, xs, offsets, counts)
     # The rows past offsets[-1] of dot are undefined, and so are their sums; nobody reads those rows.
-    return dxs, dw1, dw2, dot.sum(1)
+    dtw_rows = dot.sum(1)
+    dw2 = lib.expert_wgrad(dy_rows, aw, offsets, counts)
+    dxs = lib.expert_gemm(dh, w1, offsets, True, zero_unrouted=False, **_done_args(done))
+    if on_dxs is not None:
+        on_dxs(dxs, dtw_rows)
+    dw1 = lib.expert_wgrad(dh, xs, offsets, counts)
+    return dxs, dw1, dw2, dtw_rows
 
 
 # ---------------------------------------------------------------- the FP8 expert part
@@ -262,7 +277,10 @@ class LocalTransport:
       with the hook, the first GEMM runs alongside a dispatch that does not wait, which holds that many SMs (0:
       after one that does);
     - ``row_weight(topk_weights)``: each row's routing weight, fp32, 0 on padding rows;
-    - ``combine(rows, row_scalars=None)`` -> ``(out [T, H], slot scalars fp32 [T, K] or None)``;
+    - ``combine(rows, row_scalars=None)`` -> ``(out [T, H], slot scalars fp32 [T, K] or None)``, also in two
+      halves: ``combine_start(rows, row_scalars=None, published=False)`` then ``combine_finish()``, and
+      ``results_done()``: where the GEMM that makes ``rows`` publishes them for a combine started right after it
+      (``expert_gemm``'s ``done_*``; None: no overlap);
     - ``save_rows(rows)``: what the forward keeps of its rows for the backward (None: nothing), and
       ``backward_rows(source)``: the forward's rows again, from ``x`` (here) or from what was kept;
     - ``relayout(rows, row_align)``: rows of this routing's layout at another alignment (the kept ``fc1_out`` of
@@ -295,6 +313,17 @@ class LocalTransport:
     def combine(self, rows, row_scalars=None):
         scalars = None if row_scalars is None else lib.gather_scalars(row_scalars, self.slot_to_row)
         return lib.combine_reduce(rows, self.slot_to_row, None), scalars
+
+    def results_done(self):
+        return None
+
+    def combine_start(self, rows, row_scalars=None, published=False):
+        self._combined = (rows, row_scalars)
+
+    def combine_finish(self):
+        rows, row_scalars = self._combined
+        del self._combined
+        return self.combine(rows, row_scalars)
 
     def save_rows(self, rows):
         return None  # the backward gathers x again: the rows are K times x
@@ -344,8 +373,11 @@ def forward(transport, x, topk_weights, w1, w2, *, keep_fc1=True, save_rows=Fals
     a, h = expert_fc1(xs, w1, offsets, keep_fc1, engine, transport.rows_ready() if engine else None, overlap_sms)
     if keep_fc1 and transport.zero_fc1_out_tail:
         lib.zero_unrouted_rows(h, offsets)
-    o = expert_fc2(a, w2, offsets, transport.row_weight(topk_weights), engine)
-    y, _ = transport.combine(o)
+    # Overlapped: FC2 publishes its row blocks and the combine, started right after it, sends them as they come.
+    done = transport.results_done() if engine else None
+    o = expert_fc2(a, w2, offsets, transport.row_weight(topk_weights), engine, done)
+    transport.combine_start(o, published=done is not None)
+    y, _ = transport.combine_finish()
     return y, h, (transport.save_rows(xs) if save_rows else None)
 
 
@@ -389,9 +421,19 @@ def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=Non
     dy_rows, counts, offsets = transport.dispatch(dy.contiguous(), topk_weights, wait=not overlap_sms)
     row_weight = transport.row_weight(topk_weights)
     rows_ready = transport.rows_ready() if engine else None
+    # Overlapped: FC1's dgrad publishes dx's rows and the combine, started right after it, runs alongside it.
+    done = transport.results_done() if engine else None
+    started = []
+
+    def start_combine(dxs, dtw_rows):
+        transport.combine_start(dxs, dtw_rows, published=done is not None)
+        started.append(True)
+
     dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
-                                              rows_ready, overlap_sms)
-    dx, d_topk_weights = transport.combine(dxs, dtw_rows)
+                                              rows_ready, overlap_sms, done, start_combine)
+    if not started:  # the fallback GEMMs
+        transport.combine_start(dxs, dtw_rows)
+    dx, d_topk_weights = transport.combine_finish()
     return dx, d_topk_weights, dw1, dw2
 
 

@@ -97,7 +97,8 @@ def _zero_unrouted_rows_fake(rows, expert_offsets):
 
 
 @torch.library.register_fake("primemoe::expert_gemm")
-def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True):
+def _expert_gemm_fake(rows, w, expert_offsets, w_kn, row_weight=None, zero_unrouted=True, done_flags=None,
+                      done_counts=None, done_epoch=None, done_sms=0):
     return rows.new_empty(rows.shape[0], w.shape[2] if w_kn else w.shape[1])
 
 
@@ -130,7 +131,7 @@ def _ep_dispatch_fake(workspace, epoch, x, topk_idx, topk_weights, rank, world, 
 
 @torch.library.register_fake("primemoe::ep_combine")
 def _ep_combine_fake(workspace, epoch, rows, row_scalars, expert_offsets, rank, world, max_tokens, hidden, top_k,
-                     local_experts, row_align, num_sms, put_peers=False, force_put=False):
+                     local_experts, row_align, num_sms, put_peers=False, force_put=False, published=False):
     return None
 
 

@@ -409,6 +409,28 @@ def test_gemms_launched_beside_a_dispatch_give_the_plain_bits():
     primemoe.check_errors()
 
 
+@pytest.mark.parametrize("w_kn", [False, True], ids=["fc2", "fc1_dgrad"])
+def test_row_gemms_publishing_their_rows(w_kn):
+    """FC2 and FC1's dgrad with done_*: the same bits as without, on the SMs left after done_sms; every 64-row block
+    of the routed rows published once per column tile (flag = the epoch, count back to 0); blocks past them
+    untouched."""
+    e = engine_operands([300, 0, 1, 700, 129, 64], hidden=512, inter=256, seed=13, device="cuda")
+    rows, w = (e.h, e.w1) if w_kn else (e.a, e.w2)
+    plain = ops.expert_gemm(rows, w, e.offsets, w_kn, zero_unrouted=False)
+    blocks = rows.shape[0] // 64 + 1
+    flags = torch.full((blocks,), 3, dtype=torch.int64, device="cuda")  # an older epoch's
+    counts = torch.zeros(blocks, dtype=torch.int32, device="cuda")
+    epoch = torch.full((1,), 4, dtype=torch.int64, device="cuda")
+    published = ops.expert_gemm(rows, w, e.offsets, w_kn, zero_unrouted=False, done_flags=flags, done_counts=counts,
+                                done_epoch=epoch, done_sms=16)
+    torch.cuda.synchronize()
+    routed_blocks = e.routed_rows // 64
+    assert torch.equal(published[:e.routed_rows], plain[:e.routed_rows])
+    assert (flags[:routed_blocks] == 4).all() and (flags[routed_blocks:] == 3).all()
+    assert not counts.any()
+    primemoe.check_errors()
+
+
 def test_sm_budget_gives_the_same_bits():
     """primemoe.set_num_sms caps the GEMMs' persistent grids; every tile is computed the same whichever CTA takes
     it, so the results are bitwise those of the full grid."""

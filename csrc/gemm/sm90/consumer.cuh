@@ -99,6 +99,21 @@ __device__ __forceinline__ void consumer_warpgroups(const GemmParams& p, Smem& s
     store_round(Int<kRounds - 1>{}, [&](int i) { return held[i / 2]; }, held_row0, held_col);
     holding = false;
   };
+  // Published results (GroupedGemmArgs::done), by each warpgroup's thread 0: a tile's 64 rows of this warpgroup once
+  // both its store rounds are written. The second round goes out during the next tile, so a tile is published after
+  // the next one's first round (by then long written), or at the end.
+  constexpr bool kPublishes = S == GemmSchedule::kRows && E == GemmEpilogue::kStore;
+  const bool publishes = kPublishes && args.done.flags != nullptr && wtid == 0;
+  int32_t unpublished = -1;  // the row block of this warpgroup's last stored tile
+  auto publish = [&](int32_t block) {
+    fence_proxy_async_global();  // the bulk stores' writes, before the release below
+    __threadfence();
+    int32_t* count = args.done.counts + block;
+    if (atomicAdd(count, 1) + 1 == args.done.cols) {
+      *count = 0;  // every column tile of the block is in: zero for the next GEMM that publishes here
+      store_release(args.done.flags + block, uint64_t(*args.done.epoch));
+    }
+  };
   // FC1 hands its tile to the warpgroup's activation warp in two jobs of 64 columns: gate and up pre-activations
   // (bf16) into the two staging boxes, then act_full. The first job goes at the tile's end; the second waits in
   // `held` (16 gate pairs, then 16 up pairs) until the middle of the next tile's k-slices, so that each job has half
@@ -327,6 +342,13 @@ __device__ __forceinline__ void consumer_warpgroups(const GemmParams& p, Smem& s
           return pack(acc(v) * scale, acc(v + 1) * scale);
         };
         store_round(Int<0>{}, scaled_pair, row0, tile.n_tile * kGemmTileN);
+        if (publishes) {
+          if (unpublished >= 0) {
+            store_wait_written<1>();  // all but the round just committed: the previous tile's two
+            publish(unpublished);
+          }
+          unpublished = row0 / int32_t(kGemmRowAlign);
+        }
         CUTE_UNROLL
         for (int i = 0; i < kHalf; i += 2) held[i / 2] = scaled_pair(kHalf + i);
       }
@@ -442,6 +464,10 @@ __device__ __forceinline__ void consumer_warpgroups(const GemmParams& p, Smem& s
     post_job(0, -1);
   } else if (kDeferred && holding) {
     store_held();
+  }
+  if (publishes && unpublished >= 0) {
+    store_wait_written<0>();
+    publish(unpublished);
   }
   // The staging boxes must outlive the TMA stores that read them.
   if ((ct % 128) == 0) store_wait_read();

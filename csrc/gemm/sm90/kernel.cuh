@@ -53,6 +53,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  // Published results (GroupedGemmArgs::done): the kernel that reads them may start at once, on the SMs left to it.
+  if (p.args.done.flags != nullptr) allow_next_kernel();
 
   TileRing<Smem> tiles{smem};
   if (threadIdx.x / 128 == 0) {
