@@ -36,12 +36,14 @@ constexpr int kCopyUnroll = 8;
 
 // A warp copies one row: all its loads are issued before its (remote) stores, kCopyUnroll
 // 16-byte vectors per lane at a time, so the copy is bound by bandwidth, not load latency.
-__device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int vecs, int lane) {
+// `fresh`: the source is being written by a kernel running alongside (read after an acquire, so not through the
+// non-coherent read-only path, which is only for data that no one writes while this kernel runs).
+__device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int vecs, int lane, bool fresh = false) {
   for (int base = lane; base < vecs; base += 32 * kCopyUnroll) {
     uint4 buf[kCopyUnroll];
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
-      if (base + 32 * u < vecs) buf[u] = __ldg(src + base + 32 * u);
+      if (base + 32 * u < vecs) buf[u] = fresh ? src[base + 32 * u] : __ldg(src + base + 32 * u);
     }
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
@@ -80,12 +82,13 @@ struct PeerWriter {
   }
 
   // One row, by the whole warp. A put reads it from `stage`, this rank's own symmetric row.
-  __device__ void row(__nv_bfloat16* dst, const __nv_bfloat16* src, __nv_bfloat16* stage, int H, int lane) const {
+  __device__ void row(__nv_bfloat16* dst, const __nv_bfloat16* src, __nv_bfloat16* stage, int H, int lane,
+                      bool fresh = false) const {
     if (!puts()) {
-      copy_row(reinterpret_cast<uint4*>(at(dst)), reinterpret_cast<const uint4*>(src), H / kVec, lane);
+      copy_row(reinterpret_cast<uint4*>(at(dst)), reinterpret_cast<const uint4*>(src), H / kVec, lane, fresh);
       return;
     }
-    copy_row(reinterpret_cast<uint4*>(stage), reinterpret_cast<const uint4*>(src), H / kVec, lane);
+    copy_row(reinterpret_cast<uint4*>(stage), reinterpret_cast<const uint4*>(src), H / kVec, lane, fresh);
     __syncwarp();
     __threadfence();  // the whole staged row is in memory before the transport reads it
     nvshmemx_putmem_nbi_warp(dst, stage, size_t(H) * sizeof(__nv_bfloat16), pe);
@@ -407,7 +410,10 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
       const int32_t slot = meta % S;
       const int64_t row = batch + i;
       // A row of this rank's own slot stays in `rows`: combine_reduce reads it there (self_rows).
-      if (src != me) to.row(combine_rows + int64_t(slot) * H, rows_in + row * H, stage_rows + row * H, H, lane);
+      if (src != me) {
+        to.row(combine_rows + int64_t(slot) * H, rows_in + row * H, stage_rows + row * H, H, lane,
+               a.result_flags != nullptr);
+      }
       if (lane == i && a.row_scalars != nullptr) to.value(combine_scalars + slot, my_scalar);
       ++run_rows;
     }
