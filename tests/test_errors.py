@@ -122,7 +122,9 @@ DEVICE_ERRORS = {
     (1, 999, 8, 6, 1): "primemoe: topk_idx[6, 1] = 999 is not an expert id (expected -1 or a value in [0, 8)); "
                          "that slot was skipped",
     (2, 1, 0, -1, 0): "primemoe: rank 0 timed out waiting for rank 1 (its send counts); "
-                      "the results of that call are invalid",
+                      "the results of that call are invalid: that rank did not start the same dispatch (it raised an "
+                      "error, e.g. more tokens than max_tokens_per_rank, or it makes a different sequence of primemoe "
+                      "calls)",
     (2, -1, 1, 3, 1): "primemoe: rank 1 timed out waiting for a source rank (its rows for local expert 3); "
                       "the results of that call are invalid",
     (2, 0, 1, -1, 2): "primemoe: rank 1 timed out waiting for rank 0 (its combine results); "
