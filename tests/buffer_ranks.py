@@ -188,8 +188,8 @@ def _layered(moe, first: Problem, second: Problem):
 
 def moe_cases(rank, world, cases_path, out_dir):
     """Every case through one Buffer, then, where ``data`` names them: a repeat (bitwise), two layers sharing
-    the buffer, CUDA-graph replay against eager, and the cases ``data["sequential"]`` again through a Buffer with
-    overlap=False. ``data["precision"]`` (default bf16): the Buffer's and the calls'."""
+    the buffer, CUDA-graph replay against eager, and the cases ``data["sequential"]`` / ``data["combine_overlap"]``
+    again through a Buffer with overlap=False / overlap_combine=True. ``data["precision"]`` (default bf16): the Buffer's and the calls'."""
     data = torch.load(cases_path)
     precision = data.get("precision", "bf16")
     with ep_rank(rank, world) as device:
@@ -221,12 +221,12 @@ def moe_cases(rank, world, cases_path, out_dir):
                 results["graph"] = [(_cpu(replayed), _cpu(eager)) for replayed, eager in
                                     graph_replays(moe, mine(graph["static"]), [mine(c) for c in graph["replays"]])]
             primemoe.check_errors()
-        if data.get("sequential"):
-            with primemoe.Buffer(dist.group.WORLD, **data["sizes"], precision=precision, overlap=False) as buffer:
-                moe = partial(primemoe.moe, buffer=buffer, precision=precision)
-                results["sequential"] = {name: _cpu(run_moe(moe, mine(data["cases"][name])))
-                                         for name in data["sequential"]}
-                primemoe.check_errors()
+        for key, options in (("sequential", dict(overlap=False)), ("combine_overlap", dict(overlap_combine=True))):
+            if data.get(key):
+                with primemoe.Buffer(dist.group.WORLD, **data["sizes"], precision=precision, **options) as buffer:
+                    moe = partial(primemoe.moe, buffer=buffer, precision=precision)
+                    results[key] = {name: _cpu(run_moe(moe, mine(data["cases"][name]))) for name in data[key]}
+                    primemoe.check_errors()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -164,6 +164,7 @@ def test_buffer_needs_a_process_group(no_nvshmem):
     ("precision", "fp16", ValueError, "precision: expected one of"),
     ("precision", "mxfp8", NotImplementedError, r"precision: 'mxfp8' .* needs a Blackwell \(sm_100\) GPU"),
     ("overlap", 1, TypeError, "overlap: expected a bool, got int"),
+    ("overlap_combine", None, TypeError, "overlap_combine: expected a bool, got NoneType"),
     # An FP8 Buffer: hidden, intermediate and row_align multiples of 128.
     ("precision", "fp8", ValueError, "hidden: expected a multiple of 128 with an FP8 precision .*, got 32"),
 ])

@@ -67,6 +67,7 @@ class ModelBuffer:
     precision = "bf16"
     device = torch.device("cpu")
     overlap = True
+    overlap_combine = True
     num_sms = 16
 
     def __init__(self, world: World, rank, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,

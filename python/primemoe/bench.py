@@ -132,18 +132,18 @@ def _primemoe_moe(group, case, ctx) -> Callable:
     return partial(primemoe.moe, buffer=buffer, precision=case.precision)
 
 
-def _buffer_moe(overlap: bool):
+def _buffer_moe(overlap: bool, combine: bool = False):
     def make(group, case, ctx) -> Callable:
         """primemoe.moe(buffer=) at every EP, EP = 1 over a Buffer of one rank."""
         import primemoe
-        return partial(primemoe.moe, buffer=ctx.buffer(precision=case.precision, overlap=overlap),
-                       precision=case.precision)
+        buffer = ctx.buffer(precision=case.precision, overlap=overlap, overlap_combine=combine)
+        return partial(primemoe.moe, buffer=buffer, precision=case.precision)
     return make
 
 
-def _buffer_raw(overlap: bool):
+def _buffer_raw(overlap: bool, combine: bool = False):
     def make(inp, group, case, ctx):
-        return _UserPath(_buffer_moe(overlap)(group, case, ctx), inp)
+        return _UserPath(_buffer_moe(overlap, combine)(group, case, ctx), inp)
     return make
 
 
@@ -300,10 +300,12 @@ IMPLS = {
                    "of one rank), FC1 overlapped with the dispatch; raw: the same call", user=_buffer_moe(True)),
     "buffer-seq": Impl(_buffer_raw(False), ("bf16",), "as buffer, with Buffer(overlap=False): dispatch, then FC1",
                        user=_buffer_moe(False)),
+    "buffer-combine": Impl(_buffer_raw(True, True), ("bf16",), "as buffer, with Buffer(overlap_combine=True): the "
+                           "combines alongside FC2 and FC1's dgrad too", user=_buffer_moe(True, True)),
     "reference": Impl(_reference_raw, ("bf16",), "pure-PyTorch loop over experts (fp32), autograd backward; "
                       "raw timing only", single_gpu="single GPU only"),
 }
-# At EP > 1 primemoe already runs through the (overlapped) Buffer: buffer and buffer-seq are asked for by name.
+# At EP > 1 primemoe already runs through the (overlapped) Buffer: the buffer implementations are asked for by name.
 DEFAULT_IMPLS = ["baseline", "primemoe", "reference"]
 COMM_IMPLS = {
     "primemoe": Impl(_PrimemoeComm, ("bf16",), "primemoe.Buffer.dispatch / combine (NVSHMEM) on num_sms SMs"),
@@ -559,19 +561,20 @@ class _ShapeContext:
     primemoe.Buffer (sized for the shape's largest token count, made on first use, remade when a case
     needs other arguments, closed with the shape)."""
 
-    # Buffers open at once: the buffer and buffer-seq implementations take turns.
-    MAX_BUFFERS = 2
+    # Buffers open at once: the buffer, buffer-seq and buffer-combine implementations take turns.
+    MAX_BUFFERS = 3
 
     def __init__(self, args, group, shape: str, max_tokens: int):
         self.args, self.group, self.shape, self.max_tokens = args, group, shape, max_tokens
         self._buffers = {}  # (precision, num_sms, overlap): open Buffer, in creation order
 
-    def buffer(self, precision: str = "bf16", num_sms: Optional[int] = None, overlap: bool = True):
+    def buffer(self, precision: str = "bf16", num_sms: Optional[int] = None, overlap: bool = True,
+               overlap_combine: bool = False):
         import primemoe
         from primemoe.buffer import (DEFAULT_NUM_SMS, EP_ROW_ALIGN, SYMMETRIC_HEAP_MARGIN, EpConfig, ep_layout,
                                      ep_transport)
         num_sms = num_sms or DEFAULT_NUM_SMS
-        key = (precision, num_sms, overlap)
+        key = (precision, num_sms, overlap, overlap_combine)
         if key not in self._buffers:
             if len(self._buffers) == self.MAX_BUFFERS:
                 self._buffers.pop(next(iter(self._buffers))).close()
@@ -586,7 +589,8 @@ class _ShapeContext:
             hidden, inter, experts, top_k = MODEL_SHAPES[self.shape].dims
             self._buffers[key] = primemoe.Buffer(group, max_tokens_per_rank=self.max_tokens, hidden=hidden,
                                                  intermediate=inter, num_experts=experts, top_k=top_k,
-                                                 precision=precision, num_sms=num_sms, overlap=overlap)
+                                                 precision=precision, num_sms=num_sms, overlap=overlap,
+                                                 overlap_combine=overlap_combine)
         return self._buffers[key]
 
     def close(self) -> None:
@@ -1077,8 +1081,8 @@ def parse_args(argv=None):
                    help="primemoe's precisions, each a cell of its own beside bf16's and the baseline's (bf16 only): "
                         "bf16, fp8 (FP8 forward and backward), fp8_bwd (FP8 backward); default bf16")
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=DEFAULT_IMPLS,
-                   help=f"default {' '.join(DEFAULT_IMPLS)}; buffer / buffer-seq: primemoe.moe(buffer=) with the "
-                        "overlap on / off, also at EP = 1 (a Buffer of one rank)")
+                   help=f"default {' '.join(DEFAULT_IMPLS)}; buffer / buffer-seq / buffer-combine: primemoe.moe(buffer=) "
+                        "with the overlap on / off / also the combines, also at EP = 1 (a Buffer of one rank)")
     p.add_argument("--warmup", type=_int_from(0), default=5)
     p.add_argument("--iters", type=_int_from(1), default=20, help="timed iterations (median reported)")
     p.add_argument("--settle", type=_seconds, default=2.0,

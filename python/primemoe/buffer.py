@@ -264,23 +264,28 @@ class Buffer:
     ``num_sms``: SMs the dispatch/combine kernels use (``DEFAULT_NUM_SMS``).
     ``overlap``: FC1 runs alongside the dispatch, each expert's tiles starting once its rows have landed
     (True, the default); False runs them one after the other. Both give the same bits.
+    ``overlap_combine`` (with ``overlap``): the combine also runs alongside the GEMM whose rows it sends back
+    (FC2; FC1's dgrad in the backward), block by block as that GEMM publishes them. Not yet run on a GPU: off
+    until it is measured.
     Set from the peers and ``PRIMEMOE_EP_TRANSPORT`` (attributes, not arguments): ``put_peers``, some
     rank sends by NVSHMEM puts (another node, or ``put``), so the workspace has the staging region;
     ``force_put``, this rank sends to every other by puts.
     """
 
     def __init__(self, group, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
-                 precision="bf16", row_align=EP_ROW_ALIGN, num_sms=DEFAULT_NUM_SMS, overlap=True):
+                 precision="bf16", row_align=EP_ROW_ALIGN, num_sms=DEFAULT_NUM_SMS, overlap=True,
+                 overlap_combine=False):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
         world = dist.get_world_size(group)
         arguments = dict(max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, intermediate=intermediate,
                          num_experts=num_experts, top_k=top_k, precision=precision, row_align=row_align,
-                         num_sms=num_sms, overlap=overlap)
+                         num_sms=num_sms, overlap=overlap, overlap_combine=overlap_combine)
         try:
             check_precision(precision)
-            if not isinstance(overlap, bool):
-                raise TypeError(f"overlap: expected a bool, got {type(overlap).__name__}")
+            for name, flag in (("overlap", overlap), ("overlap_combine", overlap_combine)):
+                if not isinstance(flag, bool):
+                    raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
             transport = ep_transport(os.environ)
             config = buffer_config(world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
                                    intermediate=intermediate, num_experts=num_experts, top_k=top_k,
@@ -311,6 +316,7 @@ class Buffer:
         self.row_align = row_align
         self.num_sms = num_sms
         self.overlap = overlap
+        self.overlap_combine = overlap and overlap_combine
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.force_put = force_put
 
@@ -418,4 +424,5 @@ class Buffer:
                 f"max_tokens_per_rank={self.max_tokens_per_rank}, hidden={self.hidden}, "
                 f"intermediate={self.intermediate}, num_experts={self.num_experts} "
                 f"({self.local_experts} local), top_k={self.top_k}, precision={self.precision!r}, "
-                f"row_align={self.row_align}, num_sms={self.num_sms}, overlap={self.overlap}; {state})")
+                f"row_align={self.row_align}, num_sms={self.num_sms}, overlap={self.overlap}, "
+                f"overlap_combine={self.overlap_combine}; {state})")

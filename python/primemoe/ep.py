@@ -122,9 +122,9 @@ class BufferTransport:
 
     def results_done(self):
         """Where the GEMM whose rows the next combine sends publishes them (``expert_gemm``'s ``done_*``):
-        ``(flags, counts, epoch, sms)`` with the overlap (the combine then runs alongside that GEMM on the
-        Buffer's SMs), else None."""
-        if not self.overlap_sms:
+        ``(flags, counts, epoch, sms)`` with ``Buffer.overlap_combine`` (the combine then runs alongside that
+        GEMM on the Buffer's SMs), else None."""
+        if not self.overlap_sms or not self.buffer.overlap_combine:
             return None
         b = self.buffer
         return b.region("result_flags"), b.region("result_counts"), b.epoch, self.overlap_sms

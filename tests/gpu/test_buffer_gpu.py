@@ -324,6 +324,7 @@ def run_moe_cases(tmp_path_factory, world, transport):
     graph_tokens = GRAPH_TOKENS[world]
     data = dict(
         cases=cases, repeat=run["repeat"], layered=run["layered"], replays=run["replays"], sequential=run["names"],
+        combine_overlap=run["names"],
         graph=dict(static=moe_problem(graph_tokens, "uniform", seed=6),
                    replays=[moe_problem(graph_tokens, routing, seed) for seed, routing in run["replays"]]),
         sizes=buffer_sizes(make_problem(1, *SHAPE), world,
@@ -382,6 +383,18 @@ def test_overlapped_equals_sequential_bitwise(moe_run):
         assert set(results["sequential"]) == set(data["sequential"])
         for name, sequential in results["sequential"].items():
             assert_equal(results[name], sequential, f"rank {rank}: {name} overlapped vs sequential")
+
+
+@pytest.mark.gpu
+@pytest.mark.ep
+@pytest.mark.parametrize("moe_run", each_moe_run(), indirect=True)
+def test_combine_overlap_equals_sequential_bitwise(moe_run):
+    """Buffer(overlap_combine=True) (the combine alongside FC2 and FC1's dgrad, block by block): the same bits."""
+    data, per_rank = moe_run
+    for rank, results in enumerate(per_rank):
+        assert set(results["combine_overlap"]) == set(data["combine_overlap"])
+        for name, overlapped in results["combine_overlap"].items():
+            assert_equal(overlapped, results["sequential"][name], f"rank {rank}: {name} combine overlapped")
 
 
 @pytest.mark.gpu
