@@ -1,6 +1,7 @@
 """Per-kernel timeline of one forward+backward of primemoe.moe on this GPU: the local path and the Buffer path (EP = 1,
-a Buffer of one rank) with overlap on and off, from torch.profiler's CUDA activities. Shows where the Buffer path's
-time goes and whether FC1 really runs alongside the dispatch (its start before the dispatch's end).
+a Buffer of one rank) sequential, overlapped, and with the combines overlapped too, from torch.profiler's CUDA
+activities. Shows where the Buffer path's time goes, whether FC1 really runs alongside the dispatch (its start before
+the dispatch's end), and the fraction of the sequential run's communication time each overlap hides.
 
     python scripts/ep_timeline.py [--shapes qwen3-30b-a3b ...] [--tokens 16384] [--out timeline.json]
 
@@ -59,6 +60,22 @@ def timeline(fn, dy):
     return rows
 
 
+# The kernels that move rows between ranks (their waits excluded: a wait kernel's span is time spent elsewhere).
+COMMUNICATION = ("dispatch.notify", "dispatch.rows", "combine.rows")
+
+
+def communication_us(rows) -> float:
+    """Microseconds of communication kernels in a timeline (``timeline``'s rows)."""
+    return sum(end - start for start, end, _, name in rows if name in COMMUNICATION)
+
+
+def hidden_fraction(sequential, overlapped) -> float:
+    """The fraction of the sequential run's communication time that the overlapped run hides: (sequential step
+    minus overlapped step) over the sequential communication time (issue 37's measure)."""
+    comm = communication_us(sequential)
+    return (sequential[-1][1] - overlapped[-1][1]) / comm if comm > 0 else 0.0
+
+
 class Moe:
     def __init__(self, inp, buffer):
         self.inp, self.buffer = inp, buffer
@@ -82,10 +99,11 @@ def main():
         hidden, inter, experts, top_k = MODEL_SHAPES[shape].dims
         inp = make_inputs(shape, args.tokens, 0, 1, device, 0)
         paths = {"local": None}
-        for overlap in (True, False):
-            paths[f"buffer overlap={overlap}"] = primemoe.Buffer(
+        for name, options in (("overlap", dict(overlap=True)), ("sequential", dict(overlap=False)),
+                              ("overlap_combine", dict(overlap=True, overlap_combine=True))):
+            paths[f"buffer {name}"] = primemoe.Buffer(
                 group, max_tokens_per_rank=args.tokens, hidden=hidden, intermediate=inter, num_experts=experts,
-                top_k=top_k, overlap=overlap)
+                top_k=top_k, **options)
         for path, buffer in paths.items():
             rows = timeline(Moe(inp, buffer), inp.dy)
             results[f"{shape} {path}"] = rows
@@ -93,6 +111,10 @@ def main():
             for start, end, stream, name in rows:
                 if end - start >= 2:
                     print(f"{start:9.0f} {end:9.0f} {end - start:8.0f}  s{stream:<3} {name}")
+        sequential = results[f"{shape} buffer sequential"]
+        print(f"\n{shape} T={args.tokens}: sequential communication {communication_us(sequential):.0f} us; hidden by "
+              + ", ".join(f"{name} {hidden_fraction(sequential, results[f'{shape} buffer {name}']):.0%}"
+                          for name in ("overlap", "overlap_combine")))
         for buffer in paths.values():
             if buffer is not None:
                 buffer.close()
