@@ -376,25 +376,15 @@ def test_a_late_rank_changes_nothing(moe_run):
 @pytest.mark.gpu
 @pytest.mark.ep
 @pytest.mark.parametrize("moe_run", each_moe_run(), indirect=True)
-def test_overlapped_equals_sequential_bitwise(moe_run):
-    """Buffer(overlap=True) (FC1 alongside the dispatch) against overlap=False (FC1 after it): the same bits."""
+@pytest.mark.parametrize("variant", ["sequential", "combine_overlap"])
+def test_overlap_changes_no_bit(moe_run, variant):
+    """Against the default Buffer (FC1 alongside x's dispatch, FC2's dgrad alongside dy's): overlap=False (each
+    after the other) and overlap_combine=True (the combines alongside FC2 and FC1's dgrad too) give the same bits."""
     data, per_rank = moe_run
     for rank, results in enumerate(per_rank):
-        assert set(results["sequential"]) == set(data["sequential"])
-        for name, sequential in results["sequential"].items():
-            assert_equal(results[name], sequential, f"rank {rank}: {name} overlapped vs sequential")
-
-
-@pytest.mark.gpu
-@pytest.mark.ep
-@pytest.mark.parametrize("moe_run", each_moe_run(), indirect=True)
-def test_combine_overlap_equals_sequential_bitwise(moe_run):
-    """Buffer(overlap_combine=True) (the combine alongside FC2 and FC1's dgrad, block by block): the same bits."""
-    data, per_rank = moe_run
-    for rank, results in enumerate(per_rank):
-        assert set(results["combine_overlap"]) == set(data["combine_overlap"])
-        for name, overlapped in results["combine_overlap"].items():
-            assert_equal(overlapped, results["sequential"][name], f"rank {rank}: {name} combine overlapped")
+        assert set(results[variant]) == set(data[variant])
+        for name, other in results[variant].items():
+            assert_equal(other, results[name], f"rank {rank}: {name}, {variant} against the default")
 
 
 @pytest.mark.gpu
