@@ -176,7 +176,7 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
 void ep_combine_cuda(Tensor& workspace, Tensor& epoch, const Tensor& rows, const std::optional<Tensor>& row_scalars,
                      const Tensor& expert_offsets, int64_t rank, int64_t world, int64_t max_tokens, int64_t hidden,
                      int64_t top_k, int64_t local_experts, int64_t row_align, int64_t num_sms, bool put_peers,
-                     bool force_put, bool published) {
+                     bool force_put, bool published, bool send, bool wait) {
   const EpConfig c = ep_config(rank, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers,
                                force_put);
   const EpLayout l = ep_layout(c);
@@ -208,7 +208,7 @@ void ep_combine_cuda(Tensor& workspace, Tensor& epoch, const Tensor& rows, const
   a.num_blocks = static_cast<int32_t>(num_sms);
   a.timeout_ns = wait_timeout_ns();
   a.error = error_record_for(rows);
-  check_cuda(launch_ep_combine(a, current_stream(rows)), "ep_combine");
+  check_cuda(launch_ep_combine(a, send, wait, current_stream(rows)), "ep_combine");
 }
 
 }  // namespace

@@ -92,7 +92,7 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   m.def(
       "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "
       "int rank, int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, int num_sms, "
-      "bool put_peers=False, bool force_put=False, bool published=False) -> ()");
+      "bool put_peers=False, bool force_put=False, bool published=False, bool send=True, bool wait=True) -> ()");
 
   // ---------------------------------------------------------------- FP8 quantisation (quant_ops.cpp)
   // Blockwise E4M3, one fp32 dequantisation scale per tile (python/primemoe/fp8.py; pow2: scales rounded up to

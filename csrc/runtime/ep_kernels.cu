@@ -467,8 +467,9 @@ cudaError_t launch_ep_dispatch(const EpDispatchArgs& args, cudaStream_t stream) 
   return err;
 }
 
-cudaError_t launch_ep_combine(const EpCombineArgs& a, cudaStream_t stream) {
+cudaError_t launch_ep_combine(const EpCombineArgs& a, bool send, bool wait, cudaStream_t stream) {
   if (a.cfg.hidden % kVec || a.num_blocks < 1) return cudaErrorInvalidValue;
+  if (!send) return wait ? launch_chained(ep_wait_combine_kernel, dim3(1), dim3(kThreads), 0, stream, a) : cudaSuccess;
   cudaError_t err;
   if (a.result_flags != nullptr) {
     // Starts while the GEMM before it runs (it lets this kernel start and leaves it SMs), waiting per row block.
@@ -480,7 +481,7 @@ cudaError_t launch_ep_combine(const EpCombineArgs& a, cudaStream_t stream) {
     ep_combine_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
     err = cudaGetLastError();
   }
-  if (err == cudaSuccess) err = launch_chained(ep_wait_combine_kernel, dim3(1), dim3(kThreads), 0, stream, a);
+  if (err == cudaSuccess && wait) err = launch_chained(ep_wait_combine_kernel, dim3(1), dim3(kThreads), 0, stream, a);
   return err;
 }
 

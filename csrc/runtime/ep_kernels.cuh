@@ -92,6 +92,8 @@ struct EpCombineArgs {
 };
 
 cudaError_t launch_ep_dispatch(const EpDispatchArgs& args, cudaStream_t stream);
-cudaError_t launch_ep_combine(const EpCombineArgs& args, cudaStream_t stream);
+// send: the rows kernel; wait: the kernel that waits until every source has pushed this rank's slots back. Apart
+// (send, then other work, then wait), the work between them does not wait for the slowest peer.
+cudaError_t launch_ep_combine(const EpCombineArgs& args, bool send, bool wait, cudaStream_t stream);
 
 }  // namespace primemoe

@@ -381,18 +381,20 @@ class Buffer:
         return (self.region("expert_arrivals"), self.epoch, self.arrivals_per_epoch, self.rank,
                 self.region("tile_counter"))
 
-    def combine(self, rows, expert_offsets, row_scalars=None, *, published=False) -> None:
+    def combine(self, rows, expert_offsets, row_scalars=None, *, published=False, send=True, wait=True) -> None:
         """Pushes each received row of ``rows`` ([max_recv_rows, H], receive layout) and of ``row_scalars``
         back to its source slot's ``combine_rows`` / ``combine_scalars`` (collective). The rows of this rank's own
         slots stay in ``rows``: row ``region("self_rows")[slot]`` (their scalars are written). One combine per
         dispatch. ``published``: ``rows`` is being written by the GEMM launched just before on the stream, which
         publishes each 64-row block in ``region("result_flags")`` (``expert_gemm``'s ``done_*``); the combine
-        runs alongside it and sends each block once it is there.
+        runs alongside it and sends each block once it is there. ``send`` / ``wait``: only the sending, or only
+        the wait until every source has pushed this rank's slots back (then ``rows`` is not read): apart, the
+        work between them does not wait for the slowest peer.
         ``expert_offsets``: from the dispatch whose receive layout ``rows`` is in."""
         self._check_open()
         lib.ep_combine(self.workspace, self.epoch, rows, row_scalars, expert_offsets, self.rank, self.world,
                        self.max_tokens_per_rank, self.hidden, self.top_k, self.local_experts, self.row_align,
-                       self.num_sms, self.put_peers, self.force_put, published)
+                       self.num_sms, self.put_peers, self.force_put, published, send, wait)
 
     def close(self) -> None:
         """Frees the workspace, and NVSHMEM with the last open Buffer (collective). Idempotent."""

@@ -133,12 +133,13 @@ class BufferTransport:
         """Starts sending each received row of ``rows`` back (``published``: ``rows`` is being written by the
         GEMM launched just before, which publishes its row blocks; nothing may come between the two)."""
         self._combined = (rows, row_scalars)
-        self.buffer.combine(rows, self.offsets, row_scalars, published=published)
+        self.buffer.combine(rows, self.offsets, row_scalars, published=published, wait=False)
 
     def combine_finish(self):
         """``combine``'s result, after ``combine_start``."""
         rows, row_scalars = self._combined
         del self._combined
+        self.buffer.combine(rows, self.offsets, row_scalars, send=False)  # until every peer has pushed ours back
         T, K = self.topk_idx.shape
         first = self.buffer.rank * self.buffer.local_experts
         self_slot = (self.topk_idx >= first) & (self.topk_idx < first + self.buffer.local_experts)

@@ -429,9 +429,10 @@ def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=Non
         transport.combine_start(dxs, dtw_rows, published=done is not None)
         started.append(True)
 
+    # Started early only beside FC1's dgrad; else after dw1 as well, which then does not wait for the peers.
     dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
-                                              rows_ready, overlap_sms, done, start_combine)
-    if not started:  # the fallback GEMMs
+                                              rows_ready, overlap_sms, done, start_combine if done is not None else None)
+    if not started:
         transport.combine_start(dxs, dtw_rows)
     dx, d_topk_weights = transport.combine_finish()
     return dx, d_topk_weights, dw1, dw2

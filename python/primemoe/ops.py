@@ -131,7 +131,8 @@ def _ep_dispatch_fake(workspace, epoch, x, topk_idx, topk_weights, rank, world, 
 
 @torch.library.register_fake("primemoe::ep_combine")
 def _ep_combine_fake(workspace, epoch, rows, row_scalars, expert_offsets, rank, world, max_tokens, hidden, top_k,
-                     local_experts, row_align, num_sms, put_peers=False, force_put=False, published=False):
+                     local_experts, row_align, num_sms, put_peers=False, force_put=False, published=False, send=True,
+                     wait=True):
     return None
 
 
