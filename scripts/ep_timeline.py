@@ -4,20 +4,30 @@ activities. Shows where the Buffer path's time goes, whether FC1 really runs alo
 the dispatch's end), and the fraction of the sequential run's communication time each overlap hides.
 
     python scripts/ep_timeline.py [--shapes qwen3-30b-a3b ...] [--tokens 16384] [--out timeline.json]
+    torchrun --nproc-per-node W scripts/ep_timeline.py ...    # EP = W: every rank's timeline (no local path)
 
 Prints, per (shape, path), each kernel's start and end in microseconds from the first kernel's start, its stream and a
-short name, then the forward and backward spans; --out writes the same as JSON."""
+short name, then the sequential communication time and the fraction each overlap hides; --out writes the timelines
+as JSON (EP > 1: one file per rank, ``.rankR`` before the suffix). Under torchrun the ranks take one GPU each where
+there are enough (NCCL), else all share cuda:0 (gloo): timings of ranks sharing a GPU say nothing about overlap."""
 
 import argparse
 import json
+import os
 import re
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import primemoe
 from primemoe.bench import _single_rank_group, make_inputs
+from primemoe.buffer import EP_ROW_ALIGN, SYMMETRIC_HEAP_MARGIN, EpConfig, ep_layout
 from primemoe.shapes import MODEL_SHAPES
+
+# The Buffers open at once: overlapped, sequential, combines overlapped.
+BUFFERS = 3
 
 SHORT_NAMES = [  # (pattern in the kernel's name, short name), first match wins
     ("ep_notify", "dispatch.notify"), ("ep_dispatch_rows", "dispatch.rows"), ("ep_wait_arrivals", "dispatch.wait"),
@@ -92,13 +102,26 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--out")
     args = p.parse_args()
-    device = torch.device("cuda", 0)
-    group = _single_rank_group()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # under torchrun
+        rank = int(os.environ["RANK"])
+        one_each = torch.cuda.device_count() >= world
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) if one_each else 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if one_each else "gloo")
+        group = dist.group.WORLD
+    else:
+        rank, device, group = 0, torch.device("cuda", 0), _single_rank_group()
+    # NVSHMEM sizes its heap when the first Buffer starts it: room for every Buffer this run opens at once.
+    largest = max(ep_layout(EpConfig(world, args.tokens, h, k, e // world, EP_ROW_ALIGN, False))[1]
+                  for h, _, e, k in (MODEL_SHAPES[s].dims for s in args.shapes))
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(BUFFERS * largest + SYMMETRIC_HEAP_MARGIN))
+    say = print if rank == 0 else (lambda *a, **k: None)
     results = {}
     for shape in args.shapes:
         hidden, inter, experts, top_k = MODEL_SHAPES[shape].dims
-        inp = make_inputs(shape, args.tokens, 0, 1, device, 0)
-        paths = {"local": None}
+        inp = make_inputs(shape, args.tokens, rank, world, device, 0)
+        paths = {"local": None} if world == 1 else {}
         for name, options in (("overlap", dict(overlap=True)), ("sequential", dict(overlap=False)),
                               ("overlap_combine", dict(overlap=True, overlap_combine=True))):
             paths[f"buffer {name}"] = primemoe.Buffer(
@@ -107,20 +130,34 @@ def main():
         for path, buffer in paths.items():
             rows = timeline(Moe(inp, buffer), inp.dy)
             results[f"{shape} {path}"] = rows
-            print(f"\n== {shape} T={args.tokens} {path}: {rows[-1][1]:.0f} us in all")
+            say(f"\n== {shape} T={args.tokens} EP={world} {path}: {rows[-1][1]:.0f} us in all"
+                + (" (rank 0)" if world > 1 else ""))
             for start, end, stream, name in rows:
                 if end - start >= 2:
-                    print(f"{start:9.0f} {end:9.0f} {end - start:8.0f}  s{stream:<3} {name}")
+                    say(f"{start:9.0f} {end:9.0f} {end - start:8.0f}  s{stream:<3} {name}")
         sequential = results[f"{shape} buffer sequential"]
-        print(f"\n{shape} T={args.tokens}: sequential communication {communication_us(sequential):.0f} us; hidden by "
-              + ", ".join(f"{name} {hidden_fraction(sequential, results[f'{shape} buffer {name}']):.0%}"
-                          for name in ("overlap", "overlap_combine")))
+        summary = (f"{shape} T={args.tokens} EP={world} rank {rank}: sequential communication "
+                   f"{communication_us(sequential):.0f} us; hidden by "
+                   + ", ".join(f"{name} {hidden_fraction(sequential, results[f'{shape} buffer {name}']):.0%}"
+                               for name in ("overlap", "overlap_combine")))
+        if world > 1:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, summary)
+            for line in gathered:
+                say(line)
+        else:
+            say("\n" + summary)
         for buffer in paths.values():
             if buffer is not None:
                 buffer.close()
     if args.out:
-        with open(args.out, "w") as f:
+        out = Path(args.out)
+        if world > 1:
+            out = out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
+        with open(out, "w") as f:
             json.dump(results, f)
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
