@@ -158,7 +158,7 @@ def dispatch_cases(rank, world, cases_path, out_dir):
             buffer.combine(buffer.region("recv_rows").clone(), offsets, buffer.region("recv_weights").clone())
             slots = topk_idx.numel()
             echoed = {region: buffer.region(region)[:slots].clone()
-                      for region in ("combine_rows", "combine_scalars", "self_rows")}
+                      for region in ("combine_rows", "combine_scalars", "combine_map")}
             try:
                 primemoe.check_errors()
                 error = None
@@ -246,10 +246,14 @@ def _soak_iteration(buffer, gen, device, iteration):
     received = buffer.region("recv_rows").clone()
     buffer.combine(received, offsets, buffer.region("recv_weights").clone())
     valid = slot_valid.view(-1)
-    # The rows of this rank's own slots stay in the combine's input, at receive row self_rows[slot].
+    # The rows of this rank's own slots stay in the combine's input, at receive row -2 - combine_map[slot].
     own = valid & (topk_idx.view(-1) // buffer.local_experts == buffer.rank)
+    slot_map = buffer.region("combine_map")[:tokens * K]
+    assert torch.equal(slot_map[valid & ~own], torch.arange(tokens * K, device=device)[valid & ~own].int()), \
+        f"iteration {iteration}: combine_map of the slots sent away"
+    assert (slot_map[~valid] == -1).all(), f"iteration {iteration}: combine_map of the slots not routed"
     echoed = buffer.region("combine_rows")[:tokens * K].clone()
-    echoed[own] = received[buffer.region("self_rows")[:tokens * K][own].long()]
+    echoed[own] = received[(-2 - slot_map[own]).long()]
     rows = echoed[valid]
     scalars = buffer.region("combine_scalars")[:tokens * K][valid]
     assert torch.equal(valid, (topk_idx >= 0).view(-1)), f"iteration {iteration}: slot_valid"

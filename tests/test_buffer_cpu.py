@@ -46,7 +46,7 @@ def test_layout_matches_a_hand_computation():
         "recv_weights": (544, torch.float32, (21,)),  # 84 -> 640
         "combine_rows": (640, torch.bfloat16, (6, 8)),  # 96
         "combine_scalars": (736, torch.float32, (6,)),  # 24 -> 768
-        "self_rows": (768, torch.int32, (6,)),  # 24 -> 800
+        "combine_map": (768, torch.int32, (6,)),  # 24 -> 800
         "send_counts": (800, torch.int32, (6,)),  # W * E: 24 -> 832
         "send_offsets": (832, torch.int32, (7,)),  # 28 -> 864
         "send_row_to_slot": (864, torch.int32, (6,)),  # 24 -> 896

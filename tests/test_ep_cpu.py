@@ -105,8 +105,9 @@ class ModelBuffer:
         rows.fill_(float("nan"))
         meta.copy_(torch.randint(0, self.world * S, meta.shape, generator=self.gen))  # stale
         weights.fill_(float("nan"))
-        self_rows = self.regions["self_rows"]
-        self_rows.copy_(torch.randint(0, self.max_recv_rows, self_rows.shape, generator=self.gen))  # stale
+        combine_map = self.regions["combine_map"]
+        combine_map.copy_(torch.randint(0, self.max_slots, combine_map.shape, generator=self.gen))  # stale
+        combine_map[:topk_idx.numel()] = -1  # the layout's: slots not routed
         counts, offsets, at = [], [0], 0
         for e in range(E_local):
             begin = at
@@ -116,8 +117,8 @@ class ModelBuffer:
                 rows[at:at + n] = x_src[slots // K]
                 meta[at:at + n] = (src * S + slots).int()
                 weights[at:at + n] = w_src.reshape(-1)[slots].float()
-                if src == self.rank:  # where the combine leaves this rank's own rows
-                    self_rows[slots] = torch.arange(at, at + n, dtype=torch.int32)
+                if src == self.rank:  # combine_reduce's map: own rows stay at their receive row
+                    combine_map[slots] = -2 - torch.arange(at, at + n, dtype=torch.int32)
                 at += n
             counts.append(at - begin)
             padded = begin + (at - begin + self.row_align - 1) // self.row_align * self.row_align
@@ -127,6 +128,9 @@ class ModelBuffer:
             at = padded
             offsets.append(at)
         slot_valid = (topk_idx >= 0) & (topk_idx < E)
+        ids = topk_idx.reshape(-1).long()
+        remote = slot_valid.reshape(-1) & (ids // E_local != self.rank)  # their rows come back into combine_rows
+        combine_map[:ids.numel()][remote] = remote.nonzero().view(-1).int()
         return torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), slot_valid
 
     def combine(self, rows, expert_offsets, row_scalars=None, *, published=False, send=True, wait=True):
@@ -145,7 +149,7 @@ class ModelBuffer:
         for expert_rank, (rows_src, scalars_src, meta_src) in enumerate(everything):
             mine = (meta_src >= 0) & (meta_src.long() // S == self.rank)
             slots = meta_src[mine].long() % S
-            if expert_rank != self.rank:  # this rank's own rows stay in `rows` (self_rows)
+            if expert_rank != self.rank:  # this rank's own rows stay in `rows` (combine_map)
                 combine_rows[slots] = rows_src[mine]
             if scalars_src is not None:
                 combine_scalars[slots] = scalars_src[mine]

@@ -128,13 +128,14 @@ struct ArgCheckRegistration {
 
 using LayoutResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
-// Where launch_layout writes counts, offsets and row_to_slot instead of tensors of its own (then returned empty): memory
+// Where launch_layout writes its four outputs instead of tensors of its own (then returned empty): memory
 // that outlives the call, for a kernel that may still read them after the next op's allocations (the expert-parallel
 // dispatch, which a GEMM runs alongside).
 struct LayoutInto {
   int32_t* counts;
   int32_t* offsets;
   int32_t* row_to_slot;
+  int32_t* slot_to_row;
 };
 
 // dispatch_layout on the current stream of topk_idx's device; slot_valid: [num_slots] bool that the

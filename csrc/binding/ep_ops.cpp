@@ -140,10 +140,12 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
   const int64_t experts = world * local_experts;
   auto slot_valid = empty_like_device(topk_idx, topk_idx.sizes(), ScalarType::Bool);
   // The send-side layout goes into the workspace: the rows kernel reads it while the GEMM after it runs, whose
-  // outputs the caching allocator could otherwise place in these tensors' memory as soon as this call returns.
+  // outputs the caching allocator could otherwise place in these tensors' memory as soon as this call returns. Its
+  // slot_to_row (-1 for the slots not routed) becomes combine_map, which the rows kernel completes.
   uint8_t* ws = data_of<uint8_t>(workspace);
   const LayoutInto send{reinterpret_cast<int32_t*>(ws + l.send_counts), reinterpret_cast<int32_t*>(ws + l.send_offsets),
-                        reinterpret_cast<int32_t*>(ws + l.send_row_to_slot)};
+                        reinterpret_cast<int32_t*>(ws + l.send_row_to_slot),
+                        reinterpret_cast<int32_t*>(ws + l.combine_map)};
   launch_layout(topk_idx, experts, 0, experts, 1, data_of<bool>(slot_valid), &send);
   const DeviceGuard guard(x.get_device_index());
   auto expert_counts = empty_like_device(x, {local_experts}, ScalarType::Int);

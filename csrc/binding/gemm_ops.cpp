@@ -165,9 +165,18 @@ Tensor expert_gemm_cuda(const Tensor& rows, const Tensor& w, const Tensor& offse
 }
 
 // The optional wait hook: before loading expert e's rows, the GEMM's producer waits until
-// rows_ready[e] >= epoch[0] * per_epoch (the EP workspace's arrival counters).
-void check_rows_ready(const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch, const Tensor& w1,
-                      int64_t per_epoch) {
+// rows_ready[e] >= epoch[0] * per_epoch (the EP workspace's arrival counters); with overlap_sms > 0
+// (GroupedGemmArgs::overlap_sms) the GEMM runs alongside the dispatch, which keeps that many of the GEMMs' SMs.
+void check_hook(const std::optional<Tensor>& rows_ready, const std::optional<Tensor>& epoch, const Tensor& w,
+                int64_t per_epoch, int64_t overlap_sms, const Tensor& rows) {
+  PRIMEMOE_CHECK(overlap_sms >= 0, "overlap_sms: expected >= 0, got ", overlap_sms);
+  PRIMEMOE_CHECK(overlap_sms == 0 || rows_ready.has_value(),
+                 "overlap_sms: only with rows_ready (the wait that orders the GEMM's reads after the dispatch's writes)");
+  if (overlap_sms > 0 && rows.is_cuda()) {
+    const int64_t sms = gemm_sms(rows.get_device_index());
+    PRIMEMOE_CHECK(overlap_sms < sms, "overlap_sms: the dispatch's ", overlap_sms, " SMs leave none of the GEMMs' ",
+                   sms, " (primemoe.get_num_sms)");
+  }
   if (!rows_ready.has_value()) {
     PRIMEMOE_CHECK(!epoch.has_value(), "epoch: only meaningful together with rows_ready");
     return;
@@ -176,25 +185,12 @@ void check_rows_ready(const std::optional<Tensor>& rows_ready, const std::option
   for (const auto& [t, name] : {std::pair{*rows_ready, "rows_ready"}, std::pair{*epoch, "epoch"}}) {
     PRIMEMOE_CHECK(t.scalar_type() == ScalarType::Long && t.dim() == 1 && t.is_contiguous(), name,
                    ": expected a contiguous int64 vector");
-    PRIMEMOE_CHECK(t.device() == w1.device(), name, ": expected it on the operands' device");
+    PRIMEMOE_CHECK(t.device() == w.device(), name, ": expected it on the operands' device");
   }
-  PRIMEMOE_CHECK(rows_ready->numel() == w1.size(0), "rows_ready: expected one counter per expert (",
-                 w1.size(0), "), got ", rows_ready->numel());
+  PRIMEMOE_CHECK(rows_ready->numel() == w.size(0), "rows_ready: expected one counter per expert (",
+                 w.size(0), "), got ", rows_ready->numel());
   PRIMEMOE_CHECK(epoch->numel() == 1, "epoch: expected one element, got ", epoch->numel());
   PRIMEMOE_CHECK(per_epoch >= 1, "per_epoch: expected >= 1, got ", per_epoch);
-}
-
-// overlap_sms (GroupedGemmArgs::overlap_sms): >= 0, and > 0 only with the hook and fewer SMs than the device has.
-void check_overlap_sms(int64_t overlap_sms, const std::optional<Tensor>& rows_ready, const Tensor& rows) {
-  PRIMEMOE_CHECK(overlap_sms >= 0, "overlap_sms: expected >= 0, got ", overlap_sms);
-  if (overlap_sms == 0) return;
-  PRIMEMOE_CHECK(rows_ready.has_value(),
-                 "overlap_sms: only with rows_ready (the wait that orders the GEMM's reads after the dispatch's writes)");
-  if (rows.is_cuda()) {
-    const int64_t sms = gemm_sms(rows.get_device_index());
-    PRIMEMOE_CHECK(overlap_sms < sms, "overlap_sms: the dispatch's ", overlap_sms, " SMs leave none of the GEMMs' ",
-                   sms, " (primemoe.get_num_sms)");
-  }
 }
 
 void check_fc1_args(const Tensor& rows, const Tensor& w1, const Tensor& offsets,
@@ -202,8 +198,7 @@ void check_fc1_args(const Tensor& rows, const Tensor& w1, const Tensor& offsets,
                     const std::optional<Tensor>& tile_counter, int64_t overlap_sms) {
   check_row_gemm_args(rows, w1, offsets, false);
   PRIMEMOE_CHECK(w1.size(1) % 2 == 0, "w1: expected an even number of rows [gate; up], got ", w1.size(1));
-  check_rows_ready(rows_ready, epoch, w1, per_epoch);
-  check_overlap_sms(overlap_sms, rows_ready, rows);
+  check_hook(rows_ready, epoch, w1, per_epoch, overlap_sms, rows);
   if (tile_counter.has_value()) {
     PRIMEMOE_CHECK(rows_ready.has_value(), "tile_counter: only meaningful together with rows_ready");
     PRIMEMOE_CHECK(tile_counter->scalar_type() == ScalarType::Int && tile_counter->numel() == 1 &&
@@ -249,8 +244,7 @@ void check_fc2_dgrad_args(const Tensor& dy_rows, const Tensor& w2, const Tensor&
                           const Tensor& offsets, const std::optional<Tensor>& rows_ready,
                           const std::optional<Tensor>& epoch, int64_t per_epoch, int64_t overlap_sms) {
   check_row_gemm_args(dy_rows, w2, offsets, true);
-  check_rows_ready(rows_ready, epoch, w2, per_epoch);
-  check_overlap_sms(overlap_sms, rows_ready, dy_rows);
+  check_hook(rows_ready, epoch, w2, per_epoch, overlap_sms, dy_rows);
   check_rows(h, "h");
   check_same_device(h, dy_rows, "h");
   const int64_t inter = w2.size(2);

@@ -81,7 +81,8 @@ LayoutResult launch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t 
   const bool own = into == nullptr;
   auto counts = empty_like_device(topk_idx, {own ? num_local : 0}, kInt32);
   auto offsets = empty_like_device(topk_idx, {own ? num_local + 1 : 0}, kInt32);
-  auto slot_to_row = empty_like_device(topk_idx, topk_idx.sizes(), kInt32);
+  auto slot_to_row = own ? empty_like_device(topk_idx, topk_idx.sizes(), kInt32)
+                         : empty_like_device(topk_idx, {0}, kInt32);
   auto row_to_slot = empty_like_device(topk_idx, {own ? layout_max_rows(num_slots, num_local, row_align) : 0}, kInt32);
   auto workspace =
       empty_like_device(topk_idx, {std::max<int64_t>(layout_workspace_ints(num_slots, num_local), 1)}, kInt32);
@@ -96,7 +97,7 @@ LayoutResult launch_layout(const Tensor& topk_idx, int64_t num_experts, int64_t 
   a.row_align = static_cast<int32_t>(row_align);
   a.expert_counts = own ? data_of<int32_t>(counts) : into->counts;
   a.expert_offsets = own ? data_of<int32_t>(offsets) : into->offsets;
-  a.slot_to_row = data_of<int32_t>(slot_to_row);
+  a.slot_to_row = own ? data_of<int32_t>(slot_to_row) : into->slot_to_row;
   a.row_to_slot = own ? data_of<int32_t>(row_to_slot) : into->row_to_slot;
   a.slot_valid = slot_valid;
   a.workspace = data_of<int32_t>(workspace);

@@ -238,7 +238,6 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
     start += entry_rows(p);
   }
   if (p1 == P && p0 < p1) a.scratch.send_order[P] = start;
-  if (P == 0 && threadIdx.x == 0) a.scratch.send_order[0] = 0;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const int32_t pad = a.expert_offsets[e + 1] - a.expert_offsets[e] - a.expert_counts[e];
     a.scratch.pad_rows[e] = pad;
@@ -321,7 +320,8 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
         const PeerWriter mine(a.workspace, dest, c);
         mine.value(recv_meta + my_pos, static_cast<int32_t>(me * S + my_slot));
         mine.value(recv_weights + my_pos, slot_weight(a.topk_weights, a.weight_type, my_slot));
-        if (dest == me) region<int32_t>(a.workspace, a.layout.self_rows)[my_slot] = my_pos;
+        // combine_reduce's map (the layout wrote -1 for the slots not routed).
+        region<int32_t>(a.workspace, a.layout.combine_map)[my_slot] = dest == me ? -2 - my_pos : my_slot;
       } else {
         my_pos = a.expert_offsets[e] + a.expert_counts[e] + k;
         recv_meta[my_pos] = -1;
@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(kRowThreads) ep_combine_rows_kernel(EpCombineA
       }
       const int32_t slot = meta % S;
       const int64_t row = batch + i;
-      // A row of this rank's own slot stays in `rows`: combine_reduce reads it there (self_rows).
+      // A row of this rank's own slot stays in `rows`: combine_reduce reads it there (combine_map).
       if (src != me) {
         to.row(combine_rows + int64_t(slot) * H, rows_in + row * H, stage_rows + row * H, H, lane,
                a.result_flags != nullptr);
@@ -475,9 +475,6 @@ cudaError_t launch_ep_combine(const EpCombineArgs& a, bool send, bool wait, cuda
     // Starts while the GEMM before it runs (it lets this kernel start and leaves it SMs), waiting per row block.
     err = launch_chained(ep_combine_rows_kernel, dim3(a.num_blocks), dim3(kRowThreads), 0, stream, a);
   } else {
-    // Zeroed by the dispatch too; again here, so a second combine of one dispatch counts from zero.
-    err = cudaMemsetAsync(a.scratch.combine_done, 0, size_t(a.cfg.world) * sizeof(int32_t), stream);
-    if (err != cudaSuccess) return err;
     ep_combine_rows_kernel<<<a.num_blocks, kRowThreads, 0, stream>>>(a);
     err = cudaGetLastError();
   }

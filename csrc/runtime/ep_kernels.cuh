@@ -18,7 +18,7 @@
 //          + wait (with wait_arrivals: until every local expert has heard from every
 //            source; the layer skips it and FC1's producer waits per expert instead)
 // combine  = push every received row back to its source's `combine_rows[slot]` (a row of this rank's own
-//            slot stays where it is: the dispatch noted its place in `self_rows`), signal each source when
+//            slot stays where it is: the dispatch noted its place in `combine_map`), signal each source when
 //            its rows are done, wait for all sources. With result_flags, the rows kernel runs alongside the
 //            GEMM that writes the rows and sends each 64-row block once that GEMM has published it.
 #pragma once
@@ -37,7 +37,7 @@ struct EpScratch {      // this rank's own part of the workspace (the scratch re
   int32_t* send_base;   // [W][E_local] first row of this rank's rows in dest's receive region
   int32_t* send_done;   // [W][E_local] rows written so far (zeroed by the notify kernel)
   int32_t* recv_from;   // [W] rows this rank receives from each source (for combine)
-  int32_t* combine_done;  // [W] rows pushed back so far (zeroed by the notify kernel)
+  int32_t* combine_done;  // [W] rows pushed back so far (zeroed by the notify kernel: one combine per dispatch)
   // [(W + 1) E_local + 1] the rows kernel's work in the order it sends it, as the start of each entry in one
   // sequence of rows: expert-major (all of local expert 0's rows, to every destination, then expert 1's, ...), per
   // expert the destinations from this rank's next one on, then this rank's own padding rows of the expert.

@@ -45,8 +45,9 @@ struct EpLayout {
   size_t recv_weights;     // float [max_recv_rows]: routing weight of the row's slot, 0 for padding rows
   size_t combine_rows;     // bf16 [max_slots, H]: result row of each of my slots, pushed by its expert rank
   size_t combine_scalars;  // float [max_slots]: per-slot scalar pushed with it (d_topk_weights in backward)
-  size_t self_rows;        // int32 [max_slots]: receive row of each of my slots routed to my own experts (written by
-                           // the dispatch, undefined for the others): the combine leaves those rows where they are
+  size_t combine_map;      // int32 [max_slots]: combine_reduce's map of my slots, written by the dispatch: -1 not
+                           // routed, the slot itself (its row comes back into combine_rows), or -2 - r for a slot
+                           // routed to my own experts (its row stays at receive row r: the combine never copies it)
   // This rank's send-side layout (dispatch_layout over all W * E_local experts, row_align 1), read by the rows kernel.
   size_t send_counts;       // int32 [W * E_local]
   size_t send_offsets;      // int32 [W * E_local + 1]
@@ -131,7 +132,7 @@ inline std::array<EpRegion, kEpRegions> ep_regions(const EpConfig& c) {
       {"recv_weights", EpElement::kFloat32, 1, {R}, 0},
       {"combine_rows", EpElement::kBFloat16, 2, {S, H}, 0},
       {"combine_scalars", EpElement::kFloat32, 1, {S}, 0},
-      {"self_rows", EpElement::kInt32, 1, {S}, 0},
+      {"combine_map", EpElement::kInt32, 1, {S}, 0},
       {"send_counts", EpElement::kInt32, 1, {W * E}, 0},
       {"send_offsets", EpElement::kInt32, 1, {W * E + 1}, 0},
       {"send_row_to_slot", EpElement::kInt32, 1, {S}, 0},
@@ -159,7 +160,7 @@ inline EpLayout ep_layout(const EpConfig& c) {
   EpLayout l{};
   size_t* fields[kEpRegions] = {&l.count_matrix, &l.count_flags,  &l.expert_arrivals, &l.combine_flags,
                                 &l.recv_rows,    &l.recv_meta,    &l.recv_weights,    &l.combine_rows,
-                                &l.combine_scalars, &l.self_rows, &l.send_counts, &l.send_offsets,
+                                &l.combine_scalars, &l.combine_map, &l.send_counts, &l.send_offsets,
                                 &l.send_row_to_slot, &l.result_flags, &l.result_counts, &l.scratch,
                                 &l.tile_counter, &l.stage_rows};
   for (int i = 0; i < kEpRegions; ++i) *fields[i] = r[i].offset;

@@ -384,7 +384,7 @@ class Buffer:
     def combine(self, rows, expert_offsets, row_scalars=None, *, published=False, send=True, wait=True) -> None:
         """Pushes each received row of ``rows`` ([max_recv_rows, H], receive layout) and of ``row_scalars``
         back to its source slot's ``combine_rows`` / ``combine_scalars`` (collective). The rows of this rank's own
-        slots stay in ``rows``: row ``region("self_rows")[slot]`` (their scalars are written). One combine per
+        slots stay in ``rows``: row ``-2 - region("combine_map")[slot]`` (their scalars are written). One combine per
         dispatch. ``published``: ``rows`` is being written by the GEMM launched just before on the stream, which
         publishes each 64-row block in ``region("result_flags")`` (``expert_gemm``'s ``done_*``); the combine
         runs alongside it and sends each block once it is there. ``send`` / ``wait``: only the sending, or only

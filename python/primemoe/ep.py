@@ -4,8 +4,9 @@
 (``ep_dispatch``) writes every routed row into its expert's rank, in expert-major order
 (``recv_rows``, each expert's range padded with zero rows to ``buffer.row_align``, weight 0 on
 padding rows in ``recv_weights``); its combine (``ep_combine``) pushes each result row back to its
-source slot (``combine_rows``), but for the rows of this rank's own slots, which stay where they are
-(``self_rows``), and the deterministic ``combine_reduce`` kernel sums a token's K slots. The backward dispatches ``dy`` with the same routing, so it lands in the same receive layout
+source slot (``combine_rows``), but for the rows of this rank's own slots, which stay where they are,
+and the deterministic ``combine_reduce`` kernel sums a token's K slots by the map the dispatch wrote
+(``combine_map``). The backward dispatches ``dy`` with the same routing, so it lands in the same receive layout
 as ``x`` did, and combines the row gradients (plus the routing-weight gradients as per-row scalars)
 back.
 
@@ -76,13 +77,6 @@ def check_buffer_problem(shape, device, precision, buffer) -> None:
                          f"over {buffer.world} ranks), got {shape.local_experts}")
 
 
-def _slot_map(slot_valid: torch.Tensor, self_slot: torch.Tensor, self_rows: torch.Tensor) -> torch.Tensor:
-    """int32 [T, K], ``combine_reduce``'s map: the slot's own index into ``combine_rows``, ``-2 - r`` for a slot
-    routed to this rank's own experts (its row stayed at receive row ``r``), -1 for slots that were not routed."""
-    slots = torch.arange(slot_valid.numel(), dtype=torch.int32, device=slot_valid.device).view(slot_valid.shape)
-    return torch.where(slot_valid, torch.where(self_slot, -2 - self_rows.view(slot_valid.shape), slots), -1)
-
-
 class BufferTransport:
     """The Buffer's dispatch in, its combine + ``combine_reduce`` out (see the module docstring and
     ``layer.LocalTransport`` for the interface). One per forward or backward: it keeps the layout of
@@ -141,18 +135,16 @@ class BufferTransport:
         del self._combined
         self.buffer.combine(rows, self.offsets, row_scalars, send=False)  # until every peer has pushed ours back
         T, K = self.topk_idx.shape
-        first = self.buffer.rank * self.buffer.local_experts
-        self_slot = (self.topk_idx >= first) & (self.topk_idx < first + self.buffer.local_experts)
-        slot_map = _slot_map(self.slot_valid, self_slot, self.buffer.region("self_rows")[:T * K])
+        slot_map = self.buffer.region("combine_map")[:T * K].view(T, K)
         out = lib.combine_reduce(self.buffer.region("combine_rows")[:T * K], slot_map, None, rows)
         if row_scalars is None:
             return out, None
         return out, torch.where(self.slot_valid, self.buffer.region("combine_scalars")[:T * K].view(T, K), 0.0)
 
-    def combine(self, rows, row_scalars=None):
+    def combine(self, rows, row_scalars=None, published=False):
         """``(out [T, H], slot scalars fp32 [T, K] or None)``: each token's sum of its slots' rows, and
         each slot's scalar (0 for slots that were not routed). Rows past the last expert are never sent."""
-        self.combine_start(rows, row_scalars)
+        self.combine_start(rows, row_scalars, published)
         return self.combine_finish()
 
     def save_rows(self, rows):

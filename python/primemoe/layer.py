@@ -277,10 +277,10 @@ class LocalTransport:
       with the hook, the first GEMM runs alongside a dispatch that does not wait, which holds that many SMs (0:
       after one that does);
     - ``row_weight(topk_weights)``: each row's routing weight, fp32, 0 on padding rows;
-    - ``combine(rows, row_scalars=None)`` -> ``(out [T, H], slot scalars fp32 [T, K] or None)``, also in two
-      halves: ``combine_start(rows, row_scalars=None, published=False)`` then ``combine_finish()``, and
-      ``results_done()``: where the GEMM that makes ``rows`` publishes them for a combine started right after it
-      (``expert_gemm``'s ``done_*``; None: no overlap);
+    - ``combine(rows, row_scalars=None, published=False)`` -> ``(out [T, H], slot scalars fp32 [T, K] or
+      None)``, also in two halves, ``combine_start(...)`` then ``combine_finish()``; ``results_done()``: where
+      the GEMM that makes ``rows`` publishes them for a combine started right after it (``expert_gemm``'s
+      ``done_*``; None: no overlap), which ``published=True`` says;
     - ``save_rows(rows)``: what the forward keeps of its rows for the backward (None: nothing), and
       ``backward_rows(source)``: the forward's rows again, from ``x`` (here) or from what was kept;
     - ``relayout(rows, row_align)``: rows of this routing's layout at another alignment (the kept ``fc1_out`` of
@@ -310,7 +310,7 @@ class LocalTransport:
     def row_weight(self, topk_weights):
         return lib.gather_scalars(topk_weights.reshape(-1), self.row_to_slot)
 
-    def combine(self, rows, row_scalars=None):
+    def combine(self, rows, row_scalars=None, published=False):
         scalars = None if row_scalars is None else lib.gather_scalars(row_scalars, self.slot_to_row)
         return lib.combine_reduce(rows, self.slot_to_row, None), scalars
 
@@ -376,8 +376,7 @@ def forward(transport, x, topk_weights, w1, w2, *, keep_fc1=True, save_rows=Fals
     # Overlapped: FC2 publishes its row blocks and the combine, started right after it, sends them as they come.
     done = transport.results_done() if engine else None
     o = expert_fc2(a, w2, offsets, transport.row_weight(topk_weights), engine, done)
-    transport.combine_start(o, published=done is not None)
-    y, _ = transport.combine_finish()
+    y, _ = transport.combine(o, published=done is not None)
     return y, h, (transport.save_rows(xs) if save_rows else None)
 
 
@@ -422,17 +421,13 @@ def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=Non
     row_weight = transport.row_weight(topk_weights)
     rows_ready = transport.rows_ready() if engine else None
     # Overlapped: FC1's dgrad publishes dx's rows and the combine, started right after it, runs alongside it.
+    # Its sending starts right after FC1's dgrad, beside it; without that overlap the whole combine comes after dw1,
+    # which then does not wait for the slowest peer.
     done = transport.results_done() if engine else None
-    started = []
-
-    def start_combine(dxs, dtw_rows):
-        transport.combine_start(dxs, dtw_rows, published=done is not None)
-        started.append(True)
-
-    # Started early only beside FC1's dgrad; else after dw1 as well, which then does not wait for the peers.
+    start = None if done is None else (lambda dxs, dtw_rows: transport.combine_start(dxs, dtw_rows, published=True))
     dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
-                                              rows_ready, overlap_sms, done, start_combine if done is not None else None)
-    if not started:
+                                              rows_ready, overlap_sms, done, start)
+    if done is None:
         transport.combine_start(dxs, dtw_rows)
     dx, d_topk_weights = transport.combine_finish()
     return dx, d_topk_weights, dw1, dw2

@@ -249,11 +249,14 @@ def test_combine_returns_every_row_to_its_slot(dispatch_results, case):
         x, topk_idx, topk_weights = DISPATCH_CASES[run.world][case][rank]
         valid = got["slot_valid"].reshape(-1)
         E_local = DISPATCH_SIZES["num_experts"] // run.world
-        own = valid & (topk_idx.reshape(-1) // E_local == rank)  # rows that stay here: receive row self_rows[slot]
+        own = valid & (topk_idx.reshape(-1) // E_local == rank)  # rows that stay here: receive row -2 - map[slot]
         pushed = valid & ~own
         rows = x.repeat_interleave(K, 0)
+        slot_map = got["combine_map"]
         assert torch.equal(got["combine_rows"][pushed], rows[pushed]), f"rank {rank}: rows"
-        assert torch.equal(got["recv_rows"][got["self_rows"][own].long()], rows[own]), f"rank {rank}: own rows"
+        assert torch.equal(got["recv_rows"][(-2 - slot_map[own]).long()], rows[own]), f"rank {rank}: own rows"
+        assert torch.equal(slot_map[pushed], torch.arange(valid.numel())[pushed].int()), f"rank {rank}: map"
+        assert (slot_map[~valid] == -1).all(), f"rank {rank}: map of the slots not routed"
         assert torch.equal(got["combine_scalars"][valid], topk_weights.reshape(-1).float()[valid]), \
             f"rank {rank}: scalars"
 
