@@ -566,7 +566,7 @@ class _ShapeContext:
 
     def __init__(self, args, group, shape: str, max_tokens: int):
         self.args, self.group, self.shape, self.max_tokens = args, group, shape, max_tokens
-        self._buffers = {}  # (precision, num_sms, overlap): open Buffer, in creation order
+        self._buffers = {}  # (precision, num_sms, overlap, overlap_combine): open Buffer, in creation order
 
     def buffer(self, precision: str = "bf16", num_sms: Optional[int] = None, overlap: bool = True,
                overlap_combine: bool = False):
