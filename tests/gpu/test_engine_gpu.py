@@ -489,6 +489,35 @@ def test_fc1_producer_really_waits_for_a_late_counter():
     primemoe.check_errors()
 
 
+def test_fc2_dgrad_really_waits_for_late_rows_and_weights():
+    """FC2's dgrad under the hook: dy's rows and their routing weights (both written by the dispatch) are released
+    late on another stream; the weights must be read after the wait too, not ahead of the mainloop."""
+    e = engine_operands([300, 0, 1, 129] * 8, hidden=256, inter=256, seed=14, device="cuda")
+    plain = ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets)
+    rows = torch.full_like(e.dy_rows, float("nan"))
+    weights = torch.full_like(e.row_weight, float("nan"))  # stale weights: NaN in every output they reach
+    ready = torch.zeros(32, dtype=torch.int64, device="cuda")
+    epoch = torch.ones(1, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    try:
+        primemoe.set_num_sms(primemoe.get_num_sms() - 4)  # room for the releasing kernels
+        hooked = ops.fc2_dgrad_swiglu(rows, e.w2, e.h, weights, e.offsets, True, ready, epoch, 2, 0)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(40_000_000)
+            rows.copy_(e.dy_rows)
+            weights.copy_(e.row_weight)
+            ready.fill_(2)
+        torch.cuda.synchronize()
+    finally:
+        primemoe.set_num_sms(None)
+    routed = e.routed_rows
+    for got, want in zip(hooked, plain):
+        assert torch.equal(got[:routed], want[:routed])
+    primemoe.check_errors()
+
+
 def test_a_grid_on_every_sm_ends_in_the_timeout_not_a_hang(monkeypatch):
     """FC1 on every SM, each CTA waiting for rows that only a kernel queued behind it would release: nothing can
     run, so the wait times out and names the expert and the phase; then the queued kernel runs."""

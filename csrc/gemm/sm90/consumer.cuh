@@ -290,14 +290,24 @@ __device__ __forceinline__ void consumer_warpgroups(const GemmParams& p, Smem& s
     const bool epilogue = !half || wg == 0;
     // Past the routed rows the epilogue's inputs are undefined: zeros are used instead of them.
     const bool routed = tile.k_tiles > 0;
-    // The routing weights of the thread's two rows (FC2, FC2 dgrad), loaded before the mainloop so that the
-    // epilogue does not wait a memory round trip for them.
+    // The routing weights of the thread's two rows (FC2, FC2 dgrad), loaded ahead of the epilogue so that it does
+    // not wait a memory round trip for them: before the mainloop, or with the rows-ready hook once the tile's first
+    // k-slice has landed (the dispatch writes them with the rows; through L2, which the arrival made current).
     float row_scale[2] = {1.0f, 1.0f};
-    if (S == GemmSchedule::kRows && E != GemmEpilogue::kSwiGLU && args.row_weight != nullptr) {
+    constexpr bool kRowScale = S == GemmSchedule::kRows && E != GemmEpilogue::kSwiGLU;
+    const bool hooked = args.hook.counters != nullptr;
+    auto load_row_scale = [&] {
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int64_t r = int64_t(row0) + frag_row + 8 * h;
-        row_scale[h] = routed && r < args.num_rows ? args.row_weight[r] : 0.0f;
+        row_scale[h] = routed && r < args.num_rows ? __ldcg(args.row_weight + r) : 0.0f;
+      }
+    };
+    if (kRowScale && args.row_weight != nullptr) {
+      if (hooked && routed) {
+        row_scale[0] = row_scale[1] = 0.0f;  // loaded in the first k-slice
+      } else {
+        load_row_scale();
       }
     }
     constexpr bool kLoadsQuarters = E == GemmEpilogue::kSwiGLUBackward;
@@ -378,6 +388,7 @@ __device__ __forceinline__ void consumer_warpgroups(const GemmParams& p, Smem& s
     auto k_slice = [&](int32_t kt, auto submits) {
       const int stage = pos.stage;
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[stage], pos.phase);
+      if (kRowScale && hooked && kt == kt_first && args.row_weight != nullptr) load_row_scale();
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       CUTE_UNROLL
