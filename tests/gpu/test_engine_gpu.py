@@ -453,10 +453,13 @@ def test_sm_budget_gives_the_same_bits():
             assert torch.equal(got, want), f"{name}: the SM budget changed the result"
 
 
-def _release_late(rows, true_rows, ready, value, cycles):
-    """On a side stream: a device spin of `cycles`, then the rows written, then their counters released."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+def _release_late(rows, true_rows, ready, value, cycles, side=None):
+    """On a side stream: a device spin of `cycles`, then the rows written, then their counters released. Without
+    ``side``, a new stream that waits for everything queued so far (the GEMM just launched too); a stream that
+    was made to wait before the GEMM's launch runs beside it."""
+    if side is None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(cycles)
         rows.copy_(true_rows)
@@ -475,11 +478,13 @@ def test_fc1_producer_really_waits_for_a_late_counter():
     torch.cuda.synchronize()
     try:
         primemoe.set_num_sms(primemoe.get_num_sms() - 4)  # room for the releasing kernels
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())  # before FC1's launch: the release runs beside it
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         hooked = ops.fc1_swiglu(rows, e.w1, e.offsets, True, ready, epoch, 2, 0)
         end.record()
-        side = _release_late(rows, e.xs, ready, 2, 40_000_000)
+        _release_late(rows, e.xs, ready, 2, 40_000_000, side)
         torch.cuda.synchronize()
     finally:
         primemoe.set_num_sms(None)
@@ -501,9 +506,9 @@ def test_fc2_dgrad_really_waits_for_late_rows_and_weights():
     torch.cuda.synchronize()
     try:
         primemoe.set_num_sms(primemoe.get_num_sms() - 4)  # room for the releasing kernels
-        hooked = ops.fc2_dgrad_swiglu(rows, e.w2, e.h, weights, e.offsets, True, ready, epoch, 2, 0)
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(torch.cuda.current_stream())  # before the GEMM's launch: the release runs beside it
+        hooked = ops.fc2_dgrad_swiglu(rows, e.w2, e.h, weights, e.offsets, True, ready, epoch, 2, 0)
         with torch.cuda.stream(side):
             torch.cuda._sleep(40_000_000)
             rows.copy_(e.dy_rows)
