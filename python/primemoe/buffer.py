@@ -261,7 +261,8 @@ class Buffer:
     experts run on ``torch._grouped_mm``.
     ``precision``: the one ``primemoe.moe(..., buffer=)`` runs with. "fp8" / "fp8_bwd" need ``hidden``,
     ``intermediate`` and ``row_align`` multiples of 128 (the FP8 layout); the rows still travel in bf16.
-    ``num_sms``: SMs the dispatch/combine kernels use (``DEFAULT_NUM_SMS``).
+    ``num_sms``: SMs the dispatch/combine kernels use (``DEFAULT_NUM_SMS``). A Buffer of one rank moves nothing
+    between GPUs: its dispatch is a local copy on every SM, ``moe`` runs no GEMM beside it and sends nothing back.
     ``overlap``: FC1 runs alongside the dispatch, each expert's tiles starting once its rows have landed
     (True, the default); False runs them one after the other. Both give the same bits.
     ``overlap_combine`` (with ``overlap``): the combine also runs alongside the GEMM whose rows it sends back
@@ -319,6 +320,9 @@ class Buffer:
         self.overlap_combine = overlap and overlap_combine
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.force_put = force_put
+        # One rank: the dispatch only copies this rank's rows into place, with nothing to run beside: every SM.
+        self._dispatch_sms = (num_sms if world > 1 else
+                              torch.cuda.get_device_properties(self.device).multi_processor_count)
 
         ranks = tuple(dist.get_process_group_ranks(group))
         if _bootstrap is not None and _bootstrap != (ranks, self.device.index):
@@ -369,7 +373,7 @@ class Buffer:
         dispatch on the stream has ended (a GEMM may run alongside it)."""
         self._check_open()
         return lib.ep_dispatch(self.workspace, self.epoch, x, topk_idx, topk_weights, self.rank, self.world,
-                               self.max_tokens_per_rank, self.local_experts, self.row_align, self.num_sms, wait,
+                               self.max_tokens_per_rank, self.local_experts, self.row_align, self._dispatch_sms, wait,
                                self.put_peers, self.force_put)
 
     def rows_ready(self):

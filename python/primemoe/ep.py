@@ -91,8 +91,11 @@ class BufferTransport:
     def __init__(self, buffer, topk_idx):
         self.buffer, self.topk_idx = buffer, topk_idx
         self.row_align = buffer.row_align
-        # The GEMM after a dispatch runs alongside it, which holds the Buffer's SMs (none: after it).
-        self.overlap_sms = buffer.num_sms if buffer.overlap else 0
+        # The GEMM after a dispatch runs alongside it, which holds the Buffer's SMs (none: after it). With one rank
+        # nothing travels: the dispatch is a local copy on every SM (memory-bound; beside FC1 it would only take
+        # FC1's SMs) and the combine sends nothing (every slot is this rank's, read in place).
+        self.local = buffer.world == 1
+        self.overlap_sms = buffer.num_sms if buffer.overlap and not self.local else 0
         self.counts = self.offsets = self.slot_valid = None
 
     def dispatch(self, src, topk_weights, *, wait=True):
@@ -127,18 +130,23 @@ class BufferTransport:
         """Starts sending each received row of ``rows`` back (``published``: ``rows`` is being written by the
         GEMM launched just before, which publishes its row blocks; nothing may come between the two)."""
         self._combined = (rows, row_scalars)
-        self.buffer.combine(rows, self.offsets, row_scalars, published=published, wait=False)
+        if not self.local:
+            self.buffer.combine(rows, self.offsets, row_scalars, published=published, wait=False)
 
     def combine_finish(self):
         """``combine``'s result, after ``combine_start``."""
         rows, row_scalars = self._combined
         del self._combined
-        self.buffer.combine(rows, self.offsets, row_scalars, send=False)  # until every peer has pushed ours back
+        if not self.local:
+            self.buffer.combine(rows, self.offsets, row_scalars, send=False)  # until every peer has pushed ours back
         T, K = self.topk_idx.shape
         slot_map = self.buffer.region("combine_map")[:T * K].view(T, K)
         out = lib.combine_reduce(self.buffer.region("combine_rows")[:T * K], slot_map, None, rows)
         if row_scalars is None:
             return out, None
+        if self.local:  # every routed slot's scalar is in row_scalars, at row -2 - map
+            own = row_scalars.index_select(0, (-2 - slot_map).clamp_min(0).reshape(-1)).view(T, K)
+            return out, torch.where(slot_map <= -2, own, 0.0)
         return out, torch.where(self.slot_valid, self.buffer.region("combine_scalars")[:T * K].view(T, K), 0.0)
 
     def combine(self, rows, row_scalars=None, published=False):

@@ -453,6 +453,19 @@ def test_sm_budget_gives_the_same_bits():
             assert torch.equal(got, want), f"{name}: the SM budget changed the result"
 
 
+def _side_stream_beside(ready):
+    """A stream for the release, made to wait for the work queued so far (before the GEMM's launch, so that the
+    release runs beside it). Its kernels are loaded here first: CUDA loads a kernel at its first launch, and
+    that load waits for the kernels running then, the spinning GEMM too (a deadlock until the timeout)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1)
+        ready.fill_(0)
+    side.synchronize()
+    return side
+
+
 def _release_late(rows, true_rows, ready, value, cycles, side=None):
     """On a side stream: a device spin of `cycles`, then the rows written, then their counters released. Without
     ``side``, a new stream that waits for everything queued so far (the GEMM just launched too); a stream that
@@ -478,8 +491,7 @@ def test_fc1_producer_really_waits_for_a_late_counter():
     torch.cuda.synchronize()
     try:
         primemoe.set_num_sms(primemoe.get_num_sms() - 4)  # room for the releasing kernels
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())  # before FC1's launch: the release runs beside it
+        side = _side_stream_beside(ready)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         hooked = ops.fc1_swiglu(rows, e.w1, e.offsets, True, ready, epoch, 2, 0)
@@ -506,8 +518,7 @@ def test_fc2_dgrad_really_waits_for_late_rows_and_weights():
     torch.cuda.synchronize()
     try:
         primemoe.set_num_sms(primemoe.get_num_sms() - 4)  # room for the releasing kernels
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())  # before the GEMM's launch: the release runs beside it
+        side = _side_stream_beside(ready)
         hooked = ops.fc2_dgrad_swiglu(rows, e.w2, e.h, weights, e.offsets, True, ready, epoch, 2, 0)
         with torch.cuda.stream(side):
             torch.cuda._sleep(40_000_000)
