@@ -110,7 +110,8 @@ class BufferTransport:
         return self.buffer.region("recv_rows"), self.counts, self.offsets
 
     def rows_ready(self):
-        return self.buffer.rows_ready()
+        # One rank: the dispatch has waited for its rows, and the GEMM takes the single-GPU layer's schedule.
+        return None if self.local else self.buffer.rows_ready()
 
     def row_weight(self, topk_weights):
         # Read after FC1, which has waited for every expert's rows: their weights have landed too.
