@@ -277,3 +277,52 @@ def soak(rank, world, sizes, iterations, out_dir):
         primemoe.check_errors()
         torch.save({"iterations": iterations, "allocated": (allocated, torch.cuda.memory_allocated(device))},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _layer_step(buffer, w1, w2, gen, device, keep_fc1):
+    """One forward + backward of ``moe(buffer=)`` on fresh tokens and routing (10% of the slots skipped):
+    ``(y, dx, d_topk_weights, dw1, dw2)`` and the inputs that made them."""
+    K, E, H = buffer.top_k, buffer.num_experts, buffer.hidden
+    tokens = int(torch.randint(0, buffer.max_tokens_per_rank + 1, (1,), generator=gen))
+    x = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
+    topk_idx, topk_weights = primemoe.route(torch.randn(tokens, E, generator=gen), K)
+    topk_idx = topk_idx.masked_fill(torch.rand(tokens, K, generator=gen) < 0.1, -1).to(device)
+    topk_weights = topk_weights.to(device)
+    dy = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
+    return (x, topk_idx, topk_weights, dy), _layer_grads(buffer, w1, w2, x, topk_idx, topk_weights, dy, keep_fc1)
+
+
+def _layer_grads(buffer, w1, w2, x, topk_idx, topk_weights, dy, keep_fc1):
+    x, topk_weights = x.detach().requires_grad_(), topk_weights.detach().requires_grad_()
+    y = primemoe.moe(x, topk_idx, topk_weights, w1, w2, buffer=buffer, keep_fc1=keep_fc1)
+    return (y.detach(), *torch.autograd.grad(y, [x, topk_weights, w1, w2], dy))
+
+
+def layer_soak(rank, world, sizes, iterations, out_dir):
+    """``iterations`` forward+backward steps of the layer over one Buffer, fresh token count (0 included) and
+    routing every step, keep_fc1 alternating: every output finite (counted on the device, read once at the end),
+    every 50th step repeated on the same inputs bitwise, allocated memory steady after the first steps."""
+    with ep_rank(rank, world) as device, primemoe.Buffer(dist.group.WORLD, **sizes) as buffer:
+        gen = torch.Generator().manual_seed(3000 + rank)
+        E_local, H, I = buffer.local_experts, buffer.hidden, buffer.intermediate
+        w1 = (torch.randn(E_local, 2 * I, H, generator=gen) * H ** -0.5).to(device, torch.bfloat16).requires_grad_()
+        w2 = (torch.randn(E_local, H, I, generator=gen) * I ** -0.5).to(device, torch.bfloat16).requires_grad_()
+        not_finite = torch.zeros((), dtype=torch.int64, device=device)
+        repeats_differing = torch.zeros((), dtype=torch.int64, device=device)
+        steady_from = 20
+        for iteration in range(iterations):
+            if iteration == steady_from:
+                allocated = torch.cuda.memory_allocated(device)
+            keep_fc1 = iteration % 2 == 0
+            inputs, outputs = _layer_step(buffer, w1, w2, gen, device, keep_fc1)
+            not_finite += sum((~out.isfinite()).sum() for out in outputs)
+            if iteration % 50 == 49:
+                again = _layer_grads(buffer, w1, w2, *inputs, keep_fc1)
+                repeats_differing += sum(int(not torch.equal(a, b)) for a, b in zip(outputs, again))
+                del again
+            del inputs, outputs  # nothing of the step outlives it: the memory check below
+        final = torch.cuda.memory_allocated(device)
+        primemoe.check_errors()
+        torch.save({"iterations": iterations, "allocated": (allocated, final), "not_finite": int(not_finite),
+                    "repeats_differing": int(repeats_differing)}, os.path.join(out_dir, f"rank{rank}.pt"))
+
