@@ -97,7 +97,7 @@ class ModelBuffer:
     def region(self, name):
         return self.regions[name]
 
-    def dispatch(self, x, topk_idx, topk_weights, *, wait=True):
+    def dispatch(self, x, topk_idx, topk_weights, *, wait=True, copy_rows=True):
         K, E, S, E_local = self.top_k, self.num_experts, self.max_slots, self.local_experts
         assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[0] <= self.max_tokens_per_rank
         everything = self.world_state.exchange(self.rank, (x, topk_idx, topk_weights))
@@ -114,7 +114,8 @@ class ModelBuffer:
             for src, (x_src, idx_src, w_src) in enumerate(everything):
                 slots = (idx_src.reshape(-1).long() == self.rank * E_local + e).nonzero().view(-1)
                 n = slots.numel()
-                rows[at:at + n] = x_src[slots // K]
+                if copy_rows:
+                    rows[at:at + n] = x_src[slots // K]
                 meta[at:at + n] = (src * S + slots).int()
                 weights[at:at + n] = w_src.reshape(-1)[slots].float()
                 if src == self.rank:  # combine_reduce's map: own rows stay at their receive row
@@ -122,7 +123,8 @@ class ModelBuffer:
                 at += n
             counts.append(at - begin)
             padded = begin + (at - begin + self.row_align - 1) // self.row_align * self.row_align
-            rows[at:padded] = 0  # the dispatch zeroes padding rows
+            if copy_rows:
+                rows[at:padded] = 0  # the dispatch zeroes padding rows
             meta[at:padded] = -1
             weights[at:padded] = 0  # and weight 0: the expert GEMMs read every row's weight
             at = padded

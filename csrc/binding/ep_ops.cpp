@@ -126,7 +126,7 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
                                                     const Tensor& topk_idx, const Tensor& topk_weights, int64_t rank,
                                                     int64_t world, int64_t max_tokens, int64_t local_experts,
                                                     int64_t row_align, int64_t num_sms, bool wait_arrivals,
-                                                    bool put_peers, bool force_put) {
+                                                    bool put_peers, bool force_put, bool copy_rows) {
   check_rows(x, "x");
   const EpConfig c = ep_config(rank, world, max_tokens, x.size(1), topk_idx.size(1), local_experts, row_align,
                                put_peers, force_put);
@@ -169,6 +169,7 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
   a.expert_offsets = data_of<int32_t>(expert_offsets);
   a.num_blocks = static_cast<int32_t>(num_sms);
   a.wait_arrivals = wait_arrivals;
+  a.copy_rows = copy_rows;
   a.timeout_ns = wait_timeout_ns();
   a.error = error_record_for(x);
   check_cuda(launch_ep_dispatch(a, current_stream(x)), "ep_dispatch");

@@ -87,7 +87,8 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   m.def(
       "ep_dispatch(Tensor(a!) workspace, Tensor(b!) epoch, Tensor x, Tensor topk_idx, Tensor topk_weights, int rank, "
       "int world, int max_tokens, int local_experts, int row_align, int num_sms, bool wait_arrivals=True, "
-      "bool put_peers=False, bool force_put=False) -> (Tensor expert_counts, Tensor expert_offsets, "
+      "bool put_peers=False, bool force_put=False, bool copy_rows=True) -> (Tensor expert_counts, "
+      "Tensor expert_offsets, "
       "Tensor slot_valid)");
   m.def(
       "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "

@@ -339,10 +339,13 @@ __global__ void __launch_bounds__(kRowThreads) ep_dispatch_rows_kernel(EpDispatc
         const int j = p % (W + 1);
         to = PeerWriter(a.workspace, j < W ? (me + 1 + j) % W : me, c);
       }
+      // Without copy_rows the caller copies the rows (and zeroes the padding rows) itself.
       if (slot >= 0) {
-        to.row(recv_rows + int64_t(pos) * H, x + int64_t(slot / K) * H, stage_rows + int64_t(chunk + i) * H, H,
-               lane);
-      } else {
+        if (a.copy_rows) {
+          to.row(recv_rows + int64_t(pos) * H, x + int64_t(slot / K) * H, stage_rows + int64_t(chunk + i) * H, H,
+                 lane);
+        }
+      } else if (a.copy_rows) {
         // This rank's padding row (source -1 and weight 0 written above): zeros. The expert GEMMs reduce over whole
         // tiles and read the weight of every row in one, so stale data (NaN or Inf included) must not stay there.
         uint4* row = reinterpret_cast<uint4*>(recv_rows + int64_t(pos) * H);

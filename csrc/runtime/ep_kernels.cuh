@@ -69,6 +69,9 @@ struct EpDispatchArgs {
   // false: the caller's GEMM waits per expert on expert_arrivals itself (its producer's hook), and may be
   // launched programmatically dependent on this dispatch (launch_chained), to run alongside its rows kernel.
   bool wait_arrivals;
+  // false: everything but the rows themselves (their meta, weights, combine_map, the arrival counts): with one
+  // rank the caller copies them token-major (gather_rows), reading each row of x once instead of K times.
+  bool copy_rows;
   uint64_t timeout_ns;
   ErrorRecord* error;
 };

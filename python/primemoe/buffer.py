@@ -364,17 +364,18 @@ class Buffer:
         self._check_open()
         return self._regions[name]
 
-    def dispatch(self, x, topk_idx, topk_weights, *, wait=True):
+    def dispatch(self, x, topk_idx, topk_weights, *, wait=True, copy_rows=True):
         """Sends every routed row of ``x`` to its expert's rank (collective). Returns, for this rank
         as receiver, ``expert_counts`` int32 [E_local] and ``expert_offsets`` int32 [E_local + 1] of the
         ``recv_rows`` region, and as sender ``slot_valid`` bool [T, K]. ``wait=False``: the stream does
         not wait for the other ranks' rows; the consumer waits per expert on ``rows_ready()``. ``x``,
         ``topk_idx``, ``topk_weights`` and the returned tensors must stay alive until the work after the
-        dispatch on the stream has ended (a GEMM may run alongside it)."""
+        dispatch on the stream has ended (a GEMM may run alongside it). ``copy_rows=False``: everything but the
+        rows themselves (``recv_meta``, ``recv_weights``, ``combine_map``, the counts): the caller puts them in."""
         self._check_open()
         return lib.ep_dispatch(self.workspace, self.epoch, x, topk_idx, topk_weights, self.rank, self.world,
                                self.max_tokens_per_rank, self.local_experts, self.row_align, self._dispatch_sms, wait,
-                               self.put_peers, self.force_put)
+                               self.put_peers, self.force_put, copy_rows)
 
     def rows_ready(self):
         """The GEMM wait hook for the last dispatch: ``(counters, epoch, per_epoch, rank, tile_counter)``; local

@@ -103,9 +103,18 @@ class BufferTransport:
         ``wait=False``: the stream does not wait for the peers' rows (FC1 waits on ``rows_ready``).
         In the backward, the views are read before this rank's next dispatch, and no rank writes into this
         rank's receive region before that dispatch has exchanged its counts: no copies needed."""
-        self.counts, self.offsets, self.slot_valid = self.buffer.dispatch(src, self.topk_idx, topk_weights, wait=wait)
+        self.counts, self.offsets, self.slot_valid = self.buffer.dispatch(src, self.topk_idx, topk_weights, wait=wait,
+                                                                          copy_rows=not self.local)
         # Held with the layout for the pass: the dispatch may still read them while the GEMM after it allocates.
         self.src, self.topk_weights = src, topk_weights
+        if self.local:
+            # One rank: the rows are copied token-major (each row of src read once, as the single-GPU layer's
+            # gather) by the receive layout the dispatch wrote: recv_meta names each row's slot (-1: padding).
+            T, K = self.topk_idx.shape
+            slot_map = self.buffer.region("combine_map")[:T * K].view(T, K)  # -2 - row for every routed slot
+            slot_to_row = torch.where(slot_map <= -2, -2 - slot_map, -1)
+            rows = lib.gather_rows(src, self.buffer.region("recv_meta"), K, None, slot_to_row, self.offsets)
+            return rows, self.counts, self.offsets
         # The receive region is sized for the worst case; only its routed rows are read downstream.
         return self.buffer.region("recv_rows"), self.counts, self.offsets
 

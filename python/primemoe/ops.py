@@ -124,7 +124,7 @@ def _expert_wgrad_fake(a_rows, b_rows, expert_offsets, expert_rows=None):
 
 @torch.library.register_fake("primemoe::ep_dispatch")
 def _ep_dispatch_fake(workspace, epoch, x, topk_idx, topk_weights, rank, world, max_tokens, local_experts,
-                      row_align, num_sms, wait_arrivals=True, put_peers=False, force_put=False):
+                      row_align, num_sms, wait_arrivals=True, put_peers=False, force_put=False, copy_rows=True):
     new = lambda *shape: x.new_empty(shape, dtype=torch.int32)  # noqa: E731
     return new(local_experts), new(local_experts + 1), topk_idx.new_empty(topk_idx.shape, dtype=torch.bool)
 
