@@ -532,3 +532,50 @@ def test_torch_compile_fullgraph_aot_eager(problem):
     want = run_module(eager, problem)
     for name in OUTPUT_NAMES:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+class _Recording:
+    """``torch.ops.primemoe`` with a hook before ``expert_gemm`` / ``expert_wgrad``: which watched operands are
+    still alive when each is called."""
+
+    def __init__(self, refs):
+        self.refs, self.alive = refs, []
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.primemoe, name)
+        if name not in ("expert_gemm", "expert_wgrad"):
+            return op
+
+        def recorded(*args, **kwargs):
+            self.alive.append((name, sorted(k for k, ref in self.refs.items() if ref() is not None)))
+            return op(*args, **kwargs)
+        return recorded
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_expert_backward_drops_each_operand_after_its_last_use(monkeypatch, recompute):
+    """The backward's peak memory: dy_rows and FC2 dgrad's aw are freed before FC1's dgrad makes dxs (which takes
+    their memory), a recomputed h after FC2's dgrad, xs after dw1; the operand list comes back empty."""
+    import weakref
+
+    from primemoe import layer
+
+    e = engine_operands([3, 0, 130, 64], hidden=256, inter=256, seed=5)
+    xs, h, dy_rows = e.xs.clone(), None if recompute else e.h.clone(), e.dy_rows.clone()
+    refs = {"xs": weakref.ref(xs), "dy_rows": weakref.ref(dy_rows)}
+    if h is not None:
+        refs["h"] = weakref.ref(h)
+    recording = _Recording(refs)
+    monkeypatch.setattr(layer, "lib", recording)
+    operands = [xs, h, dy_rows]
+    del xs, h, dy_rows
+    out = layer.expert_backward(operands, e.row_weight, e.w1, e.w2, e.offsets, e.counts, True)
+    assert operands == []
+    calls = recording.alive
+    if recompute:  # FC1's pre-activations first
+        assert calls.pop(0) == ("expert_gemm", ["dy_rows", "xs"])
+    assert calls == [("expert_wgrad", ["dy_rows", "xs"]),  # dw2: h gone after FC2's dgrad (no other holder here)
+                     ("expert_gemm", ["xs"]),  # dxs: dy_rows and aw gone
+                     ("expert_wgrad", ["xs"])]  # dw1
+    assert all(ref() is None for ref in refs.values())
+    assert len(out) == 4

@@ -156,10 +156,12 @@ def expert_fc2(a, w2, offsets, row_weight, engine, done=None):
     return _fallback.fc2(a, w2, offsets, row_weight)
 
 
-def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine, rows_ready=None, overlap_sms=0,
+def expert_backward(operands, row_weight, w1, w2, offsets, counts, engine, rows_ready=None, overlap_sms=0,
                     done=None, on_dxs=None):
-    """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given the
-    *unweighted* ``dy_rows`` and the kept pre-activations ``h`` (None: recomputed); ``counts``: the
+    """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given ``operands`` =
+    ``[xs, h, dy_rows]``: the rows, the kept pre-activations ``h`` (None: recomputed) and the *unweighted*
+    ``dy_rows``. The list is emptied here and each operand dropped after its last use, so that the later outputs
+    take their memory (the caller must hold no other reference to them for that to happen); ``counts``: the
     layout's routed rows per expert (the engine's weight gradients skip the padding with them). Returns
     ``(dxs, dw1, dw2, dtw_rows)``; ``dtw_rows[r] = <dy_r, FC2 output_r>`` = ``<da_r, a_r>``
     (unweighted), the routing-weight gradient of the row, so FC2's output need not be kept. ``rows_ready`` and
@@ -169,15 +171,20 @@ def expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
     there, alongside that GEMM when ``done`` (``results_done()``) has it publish ``dxs``.
     Reads no row of ``xs`` past ``offsets[-1]`` (the Buffer path saves only those): the engine skips
     tiles past the routed rows, ``torch._grouped_mm`` reads only the rows inside its groups."""
+    xs, h, dy_rows = operands
+    operands.clear()
     if not engine:
         return _fallback.expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets)
     if h is None:  # the pre-activations only: FC1 without its SwiGLU epilogue
         h = lib.expert_gemm(xs, w1, offsets, False, zero_unrouted=False)
     hook = () if rows_ready is None else rows_ready[:4]  # FC2's dgrad claims no tiles: no tile counter
     dh, aw, dot = lib.fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, offsets, False, *hook, overlap_sms=overlap_sms)
+    del h
     # The rows past offsets[-1] of dot are undefined, and so are their sums; nobody reads those rows.
     dtw_rows = dot.sum(1)
     dw2 = lib.expert_wgrad(dy_rows, aw, offsets, counts)
+    # Freed in stream order (every kernel that reads them is queued): dxs and dw1 are allocated into them.
+    del dy_rows, aw, dot
     dxs = lib.expert_gemm(dh, w1, offsets, True, zero_unrouted=False, **_done_args(done))
     if on_dxs is not None:
         on_dxs(dxs, dtw_rows)
@@ -233,24 +240,34 @@ def _tile_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows[:rows.shape[0] // FP8_ROW_ALIGN * FP8_ROW_ALIGN]
 
 
-def fp8_expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts):
+def fp8_expert_backward(operands, row_weight, w1, w2, offsets, counts):
     """``(dxs, dw1, dw2, dtw_rows)`` as ``expert_backward`` defines them (``dw`` in the weights' dtypes), on the FP8
-    recipe (spec steps 7-12), given the bf16 pre-activations ``h`` (kept or recomputed by the caller)."""
+    recipe (spec steps 7-12), given ``operands`` = ``[xs, h, dy_rows]`` with the bf16 pre-activations ``h`` (kept or
+    recomputed by the caller), emptied and dropped after their last uses as ``expert_backward``'s."""
+    xs, h, dy_rows = operands
+    operands.clear()
     w1q, w2q = fp8_weights(w1), fp8_weights(w2)
     dy_q, dy_scale = lib.quantize_fp8_1x128(dy_rows, True, True, offsets)
     w2q_t, w2s_t = w2q.transposed_contiguous()  # [E, I, H]: FC2 dgrad contracts over H
     da = lib.fp8_expert_gemm(dy_q, dy_scale, w2q_t, w2s_t, offsets, None, True)  # fp32, unweighted
+    del dy_q, dy_scale, w2q_t, w2s_t
     dh, dh_q, dh_scale, aw, dot = lib.fp8_swiglu_backward(da, h, row_weight, offsets, True)
+    del da, h
     w1q_t, w1s_t = w1q.transposed_contiguous()  # [E, H, 2I]: FC1 dgrad contracts over 2I
     dxs = lib.fp8_expert_gemm(dh_q, dh_scale, w1q_t, w1s_t, offsets)
+    del dh_q, dh_scale, w1q_t, w1s_t
     # Weight gradients: both operands re-quantised from bf16 in 128x1 tiles along each expert's rows.
     dy_t, dy_t_scale = lib.quantize_fp8_128x1(_tile_rows(dy_rows), True, True, offsets)
     aw_t, aw_t_scale = lib.quantize_fp8_128x1(_tile_rows(aw), True, True, offsets)
+    del dy_rows, aw
     # Rounded to bf16 weights' gradients by the GEMM (fp32 for other weights): no fp32 copy of a weight's size.
     dw2 = lib.fp8_expert_wgrad(dy_t, dy_t_scale, aw_t, aw_t_scale, offsets, counts,
                                w2.dtype != torch.bfloat16).to(w2.dtype)  # [E, H, I]
+    del dy_t, dy_t_scale, aw_t, aw_t_scale
     dh_t, dh_t_scale = lib.quantize_fp8_128x1(_tile_rows(dh), True, True, offsets)
+    del dh
     xs_t, xs_t_scale = lib.quantize_fp8_128x1(_tile_rows(xs), True, True, offsets)
+    del xs
     dw1 = lib.fp8_expert_wgrad(dh_t, dh_t_scale, xs_t, xs_t_scale, offsets, counts,
                                w1.dtype != torch.bfloat16).to(w1.dtype)  # [E, 2I, H]
     return dxs, dw1, dw2, dot
@@ -425,8 +442,10 @@ def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=Non
     # which then does not wait for the slowest peer.
     done = transport.results_done() if engine else None
     start = None if done is None else (lambda dxs, dtw_rows: transport.combine_start(dxs, dtw_rows, published=True))
-    dxs, dw1, dw2, dtw_rows = expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts, engine,
-                                              rows_ready, overlap_sms, done, start)
+    operands = [xs, h, dy_rows]
+    del xs, h, dy_rows  # expert_backward drops each after its last use
+    dxs, dw1, dw2, dtw_rows = expert_backward(operands, row_weight, w1, w2, offsets, counts, engine, rows_ready,
+                                              overlap_sms, done, start)
     if done is None:
         transport.combine_start(dxs, dtw_rows)
     dx, d_topk_weights = transport.combine_finish()
@@ -451,7 +470,9 @@ def _fp8_backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engin
         h = lib.expert_gemm(xs, w1, offsets, False, zero_unrouted=False)
     else:
         h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets[1:])  # _fallback.fc1's h
-    dxs, dw1, dw2, dtw_rows = fp8_expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets, counts)
+    operands = [xs, h, dy_rows]
+    del xs, h, dy_rows  # fp8_expert_backward drops each after its last use
+    dxs, dw1, dw2, dtw_rows = fp8_expert_backward(operands, row_weight, w1, w2, offsets, counts)
     dx, d_topk_weights = transport.combine(dxs, dtw_rows)
     return dx, d_topk_weights, dw1, dw2
 
