@@ -325,3 +325,29 @@ def test_torch_compile_fullgraph_through_the_buffer_ops():
     want = run_moe(layer_call, p)
     for name in OUTPUT_NAMES:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_main_grads_over_a_buffer():
+    """moe(buffer=) at EP = 2 with fp32 main gradients on each rank's weights: added into them, no .grad; the
+    same values as the plain gradients (which are them rounded to bf16)."""
+    problem = make_problem(30, *SHAPE, routing="masked", seed=12)
+    tokens_per_rank = (12, 18)
+    world = World(2)
+    hidden, inter, experts, top_k = SHAPE
+    sizes = dict(max_tokens_per_rank=18, hidden=hidden, intermediate=inter, num_experts=experts, top_k=top_k,
+                 row_align=1)
+
+    def rank_main(rank):
+        buffer = ModelBuffer(world, rank, **sizes)
+        mine = rank_problem(problem, rank, tokens_per_rank, "cpu")
+        plain = run_moe(partial(layer.ep_moe, buffer=buffer), mine)
+        x, tw, w1, w2 = (t.detach().clone().requires_grad_() for t in (mine.x, mine.topk_weights, mine.w1, mine.w2))
+        w1.main_grad, w2.main_grad = torch.zeros(w1.shape), torch.zeros(w2.shape)
+        layer.ep_moe(x, mine.topk_idx, tw, w1, w2, buffer=buffer).backward(mine.dy)
+        return plain, x.grad, (w1.grad, w2.grad), (w1.main_grad, w2.main_grad)
+
+    for plain, dx, grads, main_grads in world.run(rank_main):
+        assert grads == (None, None)
+        assert torch.equal(dx, plain.dx)
+        for main_grad, dw in zip(main_grads, (plain.dw1, plain.dw2)):
+            torch.testing.assert_close(main_grad, dw.float(), rtol=2 ** -7, atol=2 ** -7 * float(dw.abs().max()))

@@ -579,3 +579,32 @@ def test_expert_backward_drops_each_operand_after_its_last_use(monkeypatch, reco
                      ("expert_wgrad", ["xs"])]  # dw1
     assert all(ref() is None for ref in refs.values())
     assert len(out) == 4
+
+
+def test_opcheck_expert_wgrad_accumulate(engine):
+    main_grad = torch.randn(3, engine.dy_rows.shape[1], engine.a.shape[1])
+    torch.library.opcheck(ops.expert_wgrad_accumulate, (engine.dy_rows, engine.a, engine.offsets, engine.counts,
+                                                        main_grad))
+
+
+def test_expert_wgrad_accumulate_adds_the_fp32_gradient(engine):
+    """main_grad[e] += a_rows[e]^T b_rows[e] unrounded; an expert without rows (expert 1) keeps its values."""
+    start = torch.randn(3, engine.dy_rows.shape[1], engine.a.shape[1])
+    main_grad = start.clone()
+    ops.expert_wgrad_accumulate(engine.dy_rows, engine.a, engine.offsets, engine.counts, main_grad)
+    offsets = engine.offsets.tolist()
+    for e, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+        want = start[e].double() + engine.dy_rows[lo:hi].double().t() @ engine.a[lo:hi].double()
+        torch.testing.assert_close(main_grad[e].double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(main_grad[1], start[1])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda g: g.bfloat16(), "main_grad: expected float32"),
+    (lambda g: g[:, :, :-1].contiguous(), r"main_grad: expected \[3, "),
+    (lambda g: g.transpose(1, 2).contiguous().transpose(1, 2), "main_grad: expected a contiguous"),
+])
+def test_expert_wgrad_accumulate_checks_main_grad(engine, bad, match):
+    main_grad = bad(torch.zeros(3, engine.dy_rows.shape[1], engine.a.shape[1]))
+    with pytest.raises(RuntimeError, match=match):
+        ops.expert_wgrad_accumulate(engine.dy_rows, engine.a, engine.offsets, engine.counts, main_grad)

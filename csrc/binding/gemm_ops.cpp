@@ -1,4 +1,4 @@
-// The expert GEMMs over the routing layout: expert_gemm, fc1_swiglu, fc2_dgrad_swiglu, expert_wgrad,
+// The expert GEMMs over the routing layout: expert_gemm, fc1_swiglu, fc2_dgrad_swiglu, expert_wgrad(_accumulate),
 // expert_gemm_unsupported, and the test-only _gemm_force_config. Each CUDA impl is checks, then
 // GroupedGemmArgs, then the engine's launcher (gemm/grouped_gemm.cuh).
 
@@ -315,6 +315,35 @@ Tensor expert_wgrad_cuda(const Tensor& a_rows, const Tensor& b_rows, const Tenso
   return out;
 }
 
+// main_grad[e] += a_rows[rows of e]^T b_rows[rows of e] in fp32 (a weight's fp32 main gradient, Megatron's
+// gradient-accumulation fusion): the weight gradient is never rounded to bf16 nor materialised.
+void check_wgrad_accumulate_args(const Tensor& a_rows, const Tensor& b_rows, const Tensor& offsets,
+                                 const std::optional<Tensor>& expert_rows, const Tensor& main_grad) {
+  check_wgrad_args(a_rows, b_rows, offsets, expert_rows);
+  PRIMEMOE_CHECK(main_grad.scalar_type() == ScalarType::Float, "main_grad: expected float32, got ",
+                 main_grad.scalar_type());
+  PRIMEMOE_CHECK(main_grad.dim() == 3 && main_grad.size(0) == offsets.numel() - 1 &&
+                     main_grad.size(1) == a_rows.size(1) && main_grad.size(2) == b_rows.size(1),
+                 "main_grad: expected [", offsets.numel() - 1, ", ", a_rows.size(1), ", ", b_rows.size(1),
+                 "] (experts, a_rows' columns, b_rows' columns), got ", main_grad.sizes());
+  PRIMEMOE_CHECK(main_grad.is_contiguous(), "main_grad: expected a contiguous tensor");
+  check_same_device(main_grad, a_rows, "main_grad");
+  check_aligned(main_grad, "main_grad");
+}
+
+void expert_wgrad_accumulate_cuda(const Tensor& a_rows, const Tensor& b_rows, const Tensor& offsets,
+                                  const std::optional<Tensor>& expert_rows, Tensor& main_grad) {
+  check_wgrad_accumulate_args(a_rows, b_rows, offsets, expert_rows, main_grad);
+  if (a_rows.size(0) == 0) return;  // adds nothing
+  const DeviceGuard guard(a_rows.get_device_index());
+  auto g = gemm_args(GemmSchedule::kExperts, GemmEpilogue::kStore, a_rows, b_rows, false, a_rows.size(1),
+                     b_rows.size(1), 0, offsets, main_grad, true);
+  g.out = nullptr;
+  g.accumulate = data_of<float>(main_grad);
+  g.expert_rows = expert_rows.has_value() ? data_of<int32_t>(*expert_rows) : nullptr;
+  run_gemm(g, a_rows, "expert_wgrad_accumulate");
+}
+
 // Empty when the expert GEMM kernels cover an MoE of this size on `device`, else why not.
 std::string expert_gemm_unsupported_op(int64_t device, int64_t hidden, int64_t intermediate) {
   const char* why = "";
@@ -337,6 +366,9 @@ const ArgCheckRegistration fc2_dgrad_check("fc2_dgrad_swiglu", 7, 4, [](const Op
 const ArgCheckRegistration wgrad_check("expert_wgrad", 4, 0, [](const OpArgs& a) {
   check_wgrad_args(a.tensor(0), a.tensor(1), a.tensor(2), a.optional(3));
 });
+const ArgCheckRegistration wgrad_accumulate_check("expert_wgrad_accumulate", 5, 0, [](const OpArgs& a) {
+  check_wgrad_accumulate_args(a.tensor(0), a.tensor(1), a.tensor(2), a.optional(3), a.tensor(4));
+});
 
 }  // namespace
 
@@ -345,6 +377,7 @@ STABLE_TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
   m.impl("fc1_swiglu", TORCH_BOX(&fc1_swiglu_cuda));
   m.impl("fc2_dgrad_swiglu", TORCH_BOX(&fc2_dgrad_swiglu_cuda));
   m.impl("expert_wgrad", TORCH_BOX(&expert_wgrad_cuda));
+  m.impl("expert_wgrad_accumulate", TORCH_BOX(&expert_wgrad_accumulate_cuda));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {

@@ -18,14 +18,16 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
       "bool keep_fc1=True) -> (Tensor y, Tensor fc1_out)");
   m.def(
       "moe_backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, "
-      "Tensor? fc1_out, str precision=\"bf16\") -> (Tensor dx, Tensor d_topk_weights, Tensor dw1, Tensor dw2)");
+      "Tensor? fc1_out, str precision=\"bf16\", Tensor(a!)? w1_main_grad=None, Tensor(b!)? w2_main_grad=None) -> "
+      "(Tensor dx, Tensor d_topk_weights, Tensor dw1, Tensor dw2)");
   // The layer over a Buffer (implemented in python/primemoe/layer.py): `buffer` is the Buffer's handle.
   m.def(
       "_ep_moe_forward(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, int buffer, "
       "str precision=\"bf16\", bool keep_fc1=True, bool save_rows=True) -> (Tensor, Tensor, Tensor)");
   m.def(
       "_ep_moe_backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w1, Tensor w2, "
-      "Tensor? fc1_out, Tensor saved_rows, int buffer, str precision=\"bf16\") -> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? fc1_out, Tensor saved_rows, int buffer, str precision=\"bf16\", Tensor(a!)? w1_main_grad=None, "
+      "Tensor(b!)? w2_main_grad=None) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---------------------------------------------------------------- layout (layout_ops.cpp)
   m.def(
@@ -69,6 +71,9 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   // expert_rows: the layout's routed rows per expert, so that k-slices of padding are skipped (the same
   // result: the layout's padding rows are zeros).
   m.def("expert_wgrad(Tensor a_rows, Tensor b_rows, Tensor expert_offsets, Tensor? expert_rows=None) -> Tensor");
+  m.def(
+      "expert_wgrad_accumulate(Tensor a_rows, Tensor b_rows, Tensor expert_offsets, Tensor? expert_rows, "
+      "Tensor(a!) main_grad) -> ()");
   m.def("expert_gemm_unsupported(int device, int hidden, int intermediate) -> str");
   // Tests only: the GemmConfig of this thread's next GEMM launches (0 or 1 each); -1, -1: the heuristics'.
   m.def("_gemm_force_config(int claim_tiles=-1, int merge_tails=-1) -> ()");

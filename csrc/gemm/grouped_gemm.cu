@@ -131,6 +131,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
                                   config.merge_tails || a.done.cols != a.n / kGemmTileN)) {
     return cudaErrorInvalidValue;
   }
+  if (a.accumulate != nullptr && (a.schedule != GemmSchedule::kExperts || a.epilogue != GemmEpilogue::kStore)) {
+    return cudaErrorInvalidValue;
+  }
   if (!gemm_config_built(a, config)) return cudaErrorNotSupported;
   GemmParams params{};
   params.args = a;
@@ -151,7 +154,8 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& conf
   }
   if (err != cudaSuccess) return err;
   const uint64_t out_rows = a.schedule == GemmSchedule::kRows ? rows : experts * uint64_t(a.m);
-  err = make_map(&params.tma_out, a.out, a.n, out_rows, 1, 64);
+  // Accumulating weight gradients are added from registers: no store map.
+  if (a.accumulate == nullptr) err = make_map(&params.tma_out, a.out, a.n, out_rows, 1, 64);
   const void* out2 = a.epilogue == GemmEpilogue::kSwiGLU ? a.out_h
                      : a.epilogue == GemmEpilogue::kSwiGLUBackward ? a.out_dh
                                                                     : nullptr;

@@ -83,6 +83,10 @@ struct GroupedGemmArgs {
   // leaves them), so no output changes and up to a k-slice of work per expert is saved.
   const int32_t* expert_rows;
   void* out;                      // kRows: [num_rows, n]; kExperts: [E, m, n]; bf16 (kSwiGLUBackward: aw)
+  // kExperts + kStore, optional: instead of `out`, accumulate[e, m, n] += the fp32 result (a weight's fp32 main
+  // gradient). One CTA owns each output tile and adds it once, so the sum is deterministic; experts without rows
+  // add nothing.
+  float* accumulate;
   // kSwiGLU: out_h = [num_rows, 2n] pre-activations or null.
   // kRows + kStore: row_weight [num_rows] fp32 or null; out row r is scaled by row_weight[r] (FC2's
   //   routing weight, so the combine only sums).

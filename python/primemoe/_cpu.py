@@ -196,6 +196,16 @@ def fc2_dgrad_swiglu(dy_rows, w2, h, row_weight, expert_offsets, zero_unrouted=T
     return dh, (a * w).to(torch.bfloat16), dot
 
 
+@_cpu_kernel("expert_wgrad_accumulate")
+def expert_wgrad_accumulate(a_rows, b_rows, expert_offsets, expert_rows, main_grad):
+    """``main_grad[e] += `` the fp32 weight gradient of expert e, unrounded; experts without rows add nothing."""
+    _check("expert_wgrad_accumulate", [a_rows, b_rows, expert_offsets, expert_rows, main_grad])
+    offsets = expert_offsets.tolist()
+    for e, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+        if hi > lo:
+            main_grad[e] += a_rows[lo:hi].float().t() @ b_rows[lo:hi].float()
+
+
 @_cpu_kernel("expert_wgrad")
 def expert_wgrad(a_rows, b_rows, expert_offsets, expert_rows=None):
     _check("expert_wgrad", [a_rows, b_rows, expert_offsets, expert_rows])

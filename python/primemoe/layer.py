@@ -82,6 +82,8 @@ def moe(x, topk_idx, topk_weights, w1, w2, *, buffer=None, precision="bf16", kee
     recomputing FC1 there (compute). ``buffer=None``: all experts on this GPU. With a
     ``primemoe.Buffer``: expert parallelism over its group; w1, w2 hold this rank's
     ``buffer.local_experts`` experts and ids in ``topk_idx`` stay global.
+    A weight with a ``main_grad`` attribute (fp32, its shape; Megatron's gradient-accumulation fusion) gets its
+    gradient added into it by the backward, unrounded, instead of a ``.grad`` (``MainGrads``).
     """
     if buffer is not None:
         if not isinstance(buffer, Buffer):
@@ -157,7 +159,7 @@ def expert_fc2(a, w2, offsets, row_weight, engine, done=None):
 
 
 def expert_backward(operands, row_weight, w1, w2, offsets, counts, engine, rows_ready=None, overlap_sms=0,
-                    done=None, on_dxs=None):
+                    done=None, on_dxs=None, main_grads=(None, None)):
     """Backward of ``row_weight * FC2(swiglu(FC1(xs)))`` in the expert-major row space, given ``operands`` =
     ``[xs, h, dy_rows]``: the rows, the kept pre-activations ``h`` (None: recomputed) and the *unweighted*
     ``dy_rows``. The list is emptied here and each operand dropped after its last use, so that the later outputs
@@ -169,12 +171,15 @@ def expert_backward(operands, row_weight, w1, w2, offsets, counts, engine, rows_
     ``overlap_sms``, runs alongside their dispatch (then ``h`` is given: nothing may come between the two).
     ``on_dxs(dxs, dtw_rows)`` (engine only) is called right after FC1's dgrad, before ``dw1``: the combine starts
     there, alongside that GEMM when ``done`` (``results_done()``) has it publish ``dxs``.
+    ``main_grads`` = ``(w1's, w2's)`` fp32 main gradients or None each: that weight's gradient is added into it
+    (the engine: by the weight-gradient GEMM, unrounded) and returned as None.
     Reads no row of ``xs`` past ``offsets[-1]`` (the Buffer path saves only those): the engine skips
     tiles past the routed rows, ``torch._grouped_mm`` reads only the rows inside its groups."""
     xs, h, dy_rows = operands
     operands.clear()
     if not engine:
-        return _fallback.expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets)
+        dxs, dw1, dw2, dtw_rows = _fallback.expert_backward(xs, h, dy_rows, row_weight, w1, w2, offsets)
+        return (dxs, *_into_main_grads((dw1, dw2), main_grads), dtw_rows)
     if h is None:  # the pre-activations only: FC1 without its SwiGLU epilogue
         h = lib.expert_gemm(xs, w1, offsets, False, zero_unrouted=False)
     hook = () if rows_ready is None else rows_ready[:4]  # FC2's dgrad claims no tiles: no tile counter
@@ -182,14 +187,85 @@ def expert_backward(operands, row_weight, w1, w2, offsets, counts, engine, rows_
     del h
     # The rows past offsets[-1] of dot are undefined, and so are their sums; nobody reads those rows.
     dtw_rows = dot.sum(1)
-    dw2 = lib.expert_wgrad(dy_rows, aw, offsets, counts)
+    dw2 = _wgrad(dy_rows, aw, offsets, counts, main_grads[1])
     # Freed in stream order (every kernel that reads them is queued): dxs and dw1 are allocated into them.
     del dy_rows, aw, dot
     dxs = lib.expert_gemm(dh, w1, offsets, True, zero_unrouted=False, **_done_args(done))
     if on_dxs is not None:
         on_dxs(dxs, dtw_rows)
-    dw1 = lib.expert_wgrad(dh, xs, offsets, counts)
+    dw1 = _wgrad(dh, xs, offsets, counts, main_grads[0])
     return dxs, dw1, dw2, dtw_rows
+
+
+class MainGrads:
+    """The fp32 main gradients of ``w1`` and ``w2`` (Megatron's ``param.main_grad``, gradient-accumulation fusion)
+    seen at the forward, for its backward: a weight with one has its gradient added into it (by the
+    weight-gradient GEMM, in fp32) and gets no ``.grad``; its ``grad_added_to_main_grad``, where it has that
+    attribute, is set True. Under torch.compile the traced weights carry no ``main_grad``: plain gradients."""
+
+    __slots__ = ("tensors", "_flagged")
+
+    def __init__(self, tensors, flagged):
+        self.tensors, self._flagged = tensors, flagged
+
+    @classmethod
+    def of(cls, w1, w2) -> "MainGrads":
+        weights = (w1, w2)
+        tensors = check_main_grads(weights, tuple(getattr(w, "main_grad", None) for w in weights))
+        flagged = tuple(w if t is not None and hasattr(w, "grad_added_to_main_grad") else None
+                        for w, t in zip(weights, tensors))
+        return cls(tensors, flagged)
+
+    def weight_grads(self, dw1, dw2):
+        """What the backward returns for ``w1`` / ``w2``: None where the gradient went into a main gradient."""
+        out = []
+        for dw, main_grad, weight in zip((dw1, dw2), self.tensors, self._flagged):
+            if main_grad is not None:
+                dw = None
+                if weight is not None:
+                    weight.grad_added_to_main_grad = True
+            out.append(dw)
+        return out
+
+
+def check_main_grads(weights, main_grads):
+    """``main_grads`` (None each, or an fp32 tensor of its weight's shape and device), as a tuple."""
+    for name, w, main_grad in zip(("w1", "w2"), weights, main_grads):
+        if main_grad is None:
+            continue
+        if not isinstance(main_grad, torch.Tensor):
+            raise TypeError(f"{name}.main_grad: expected a tensor, got {type(main_grad).__name__}")
+        if main_grad.dtype != torch.float32 or main_grad.shape != w.shape or main_grad.device != w.device:
+            raise ValueError(f"{name}.main_grad: expected a float32 tensor of {name}'s shape {tuple(w.shape)} on "
+                             f"{w.device}, got {main_grad.dtype} {tuple(main_grad.shape)} on {main_grad.device}")
+        if not main_grad.is_contiguous():
+            raise ValueError(f"{name}.main_grad: expected a contiguous tensor")
+    return tuple(main_grads)
+
+
+def weight_grad_outputs(dws, weights, main_grads):
+    """The ops' dw outputs: an empty tensor where the gradient went into a main gradient (ops return tensors)."""
+    return tuple(w.new_empty(0) if main_grad is not None else dw
+                 for dw, w, main_grad in zip(dws, weights, main_grads))
+
+
+def _wgrad(a_rows, b_rows, offsets, counts, main_grad):
+    """The engine's weight gradient, or None after adding it into ``main_grad`` (fp32)."""
+    if main_grad is None:
+        return lib.expert_wgrad(a_rows, b_rows, offsets, counts)
+    lib.expert_wgrad_accumulate(a_rows, b_rows, offsets, counts, main_grad)
+    return None
+
+
+def _into_main_grads(dws, main_grads):
+    """``dws`` with each one that has a main gradient added into it (fp32) and replaced by None."""
+    out = []
+    for dw, main_grad in zip(dws, main_grads):
+        if main_grad is not None:
+            main_grad.add_(dw.float())
+            dw = None
+        out.append(dw)
+    return out
 
 
 # ---------------------------------------------------------------- the FP8 expert part
@@ -240,10 +316,12 @@ def _tile_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows[:rows.shape[0] // FP8_ROW_ALIGN * FP8_ROW_ALIGN]
 
 
-def fp8_expert_backward(operands, row_weight, w1, w2, offsets, counts):
+def fp8_expert_backward(operands, row_weight, w1, w2, offsets, counts, main_grads=(None, None)):
     """``(dxs, dw1, dw2, dtw_rows)`` as ``expert_backward`` defines them (``dw`` in the weights' dtypes), on the FP8
     recipe (spec steps 7-12), given ``operands`` = ``[xs, h, dy_rows]`` with the bf16 pre-activations ``h`` (kept or
-    recomputed by the caller), emptied and dropped after their last uses as ``expert_backward``'s."""
+    recomputed by the caller), emptied and dropped after their last uses as ``expert_backward``'s; ``main_grads`` as
+    there (added from the GEMM's fp32 result by a separate pass: the FP8 weight gradient has no accumulating
+    epilogue yet)."""
     xs, h, dy_rows = operands
     operands.clear()
     w1q, w2q = fp8_weights(w1), fp8_weights(w2)
@@ -262,14 +340,18 @@ def fp8_expert_backward(operands, row_weight, w1, w2, offsets, counts):
     del dy_rows, aw
     # Rounded to bf16 weights' gradients by the GEMM (fp32 for other weights): no fp32 copy of a weight's size.
     dw2 = lib.fp8_expert_wgrad(dy_t, dy_t_scale, aw_t, aw_t_scale, offsets, counts,
-                               w2.dtype != torch.bfloat16).to(w2.dtype)  # [E, H, I]
+                               w2.dtype != torch.bfloat16 or main_grads[1] is not None)  # [E, H, I]
+    dw2 = _into_main_grads((dw2,), main_grads[1:])[0]
+    dw2 = None if dw2 is None else dw2.to(w2.dtype)
     del dy_t, dy_t_scale, aw_t, aw_t_scale
     dh_t, dh_t_scale = lib.quantize_fp8_128x1(_tile_rows(dh), True, True, offsets)
     del dh
     xs_t, xs_t_scale = lib.quantize_fp8_128x1(_tile_rows(xs), True, True, offsets)
     del xs
     dw1 = lib.fp8_expert_wgrad(dh_t, dh_t_scale, xs_t, xs_t_scale, offsets, counts,
-                               w1.dtype != torch.bfloat16).to(w1.dtype)  # [E, 2I, H]
+                               w1.dtype != torch.bfloat16 or main_grads[0] is not None)  # [E, 2I, H]
+    dw1 = _into_main_grads((dw1,), main_grads[:1])[0]
+    dw1 = None if dw1 is None else dw1.to(w1.dtype)
     return dxs, dw1, dw2, dot
 
 
@@ -413,20 +495,20 @@ def _fp8_forward(transport, x, topk_weights, w1, w2, *, keep_fc1, save_rows):
 
 
 def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=None, precision="bf16",
-             fc1_row_align=None):
+             fc1_row_align=None, main_grads=(None, None)):
     """The layer's backward: ``(dx, d_topk_weights fp32, dw1, dw2)``. ``source``: ``x`` (local) or the
     forward's ``saved`` (Buffer); ``fc1_out``: the forward's (None or empty: FC1 is recomputed).
     ``precision`` "fp8" / "fp8_bwd": the FP8 backward (the transport's layout must be 128-aligned; the
     recomputed FC1 is the forward's: FP8 for "fp8", bf16 for "fp8_bwd"); ``fc1_row_align``: the alignment of the
-    layout ``fc1_out`` is in (None: the transport's), moved into the transport's layout when it differs."""
+    layout ``fc1_out`` is in (None: the transport's), moved into the transport's layout when it differs.
+    ``main_grads``: ``expert_backward``'s (a weight with one gets None for its gradient)."""
     if precision in FP8_PRECISIONS:
         return _fp8_backward(transport, dy, source, topk_weights, w1, w2, fc1_out, engine=engine,
-                             precision=precision, fc1_row_align=fc1_row_align)
+                             precision=precision, fc1_row_align=fc1_row_align, main_grads=main_grads)
     engine = _use_engine(engine, dy, w1, transport)
     if transport.idle:
         T, K = topk_weights.shape
-        return (dy.new_zeros(dy.shape), torch.zeros(T, K, dtype=torch.float32, device=dy.device),
-                torch.zeros_like(w1), torch.zeros_like(w2))
+        return _idle_backward(dy, T, K, w1, w2, main_grads)
     # The local layout and rows are rebuilt, not kept from the forward: the rows are K times x.
     xs = transport.backward_rows(source)
     h = fc1_out if fc1_out is not None and fc1_out.numel() else None
@@ -445,19 +527,25 @@ def backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine=Non
     operands = [xs, h, dy_rows]
     del xs, h, dy_rows  # expert_backward drops each after its last use
     dxs, dw1, dw2, dtw_rows = expert_backward(operands, row_weight, w1, w2, offsets, counts, engine, rows_ready,
-                                              overlap_sms, done, start)
+                                              overlap_sms, done, start, main_grads)
     if done is None:
         transport.combine_start(dxs, dtw_rows)
     dx, d_topk_weights = transport.combine_finish()
     return dx, d_topk_weights, dw1, dw2
 
 
-def _fp8_backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine, precision, fc1_row_align):
+def _idle_backward(dy, T, K, w1, w2, main_grads):
+    """Nothing routed: zero gradients (a main gradient gains nothing: None)."""
+    dws = [None if main_grad is not None else torch.zeros_like(w) for w, main_grad in zip((w1, w2), main_grads)]
+    return (dy.new_zeros(dy.shape), torch.zeros(T, K, dtype=torch.float32, device=dy.device), *dws)
+
+
+def _fp8_backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engine, precision, fc1_row_align,
+                  main_grads):
     _check_fp8_layout(transport)
     if transport.idle:
         T, K = topk_weights.shape
-        return (dy.new_zeros(dy.shape), torch.zeros(T, K, dtype=torch.float32, device=dy.device),
-                torch.zeros_like(w1), torch.zeros_like(w2))
+        return _idle_backward(dy, T, K, w1, w2, main_grads)
     xs = transport.backward_rows(source)
     dy_rows, counts, offsets = transport.dispatch(dy.contiguous(), topk_weights)
     row_weight = transport.row_weight(topk_weights)
@@ -472,7 +560,7 @@ def _fp8_backward(transport, dy, source, topk_weights, w1, w2, fc1_out, *, engin
         h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets[1:])  # _fallback.fc1's h
     operands = [xs, h, dy_rows]
     del xs, h, dy_rows  # fp8_expert_backward drops each after its last use
-    dxs, dw1, dw2, dtw_rows = fp8_expert_backward(operands, row_weight, w1, w2, offsets, counts)
+    dxs, dw1, dw2, dtw_rows = fp8_expert_backward(operands, row_weight, w1, w2, offsets, counts, main_grads)
     dx, d_topk_weights = transport.combine(dxs, dtw_rows)
     return dx, d_topk_weights, dw1, dw2
 
@@ -491,10 +579,14 @@ def _ep_moe_forward(x, topk_idx, topk_weights, w1, w2, buffer, precision="bf16",
     return y, fc1_out, (x.new_empty(0, x.shape[1]) if saved is None else saved)
 
 
-def _ep_moe_backward(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows, buffer, precision="bf16"):
+def _ep_moe_backward(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows, buffer, precision="bf16",
+                     w1_main_grad=None, w2_main_grad=None):
     check_precision(precision)
+    main_grads = check_main_grads((w1, w2), (w1_main_grad, w2_main_grad))
     transport = BufferTransport(lookup_buffer(buffer), topk_idx)
-    return backward(transport, dy, (x, saved_rows), topk_weights, w1, w2, fc1_out, precision=precision)
+    dx, dtw, dw1, dw2 = backward(transport, dy, (x, saved_rows), topk_weights, w1, w2, fc1_out, precision=precision,
+                                 main_grads=main_grads)
+    return (dx, dtw, *weight_grad_outputs((dw1, dw2), (w1, w2), main_grads))
 
 
 @torch.library.register_fake("primemoe::_ep_moe_forward")
@@ -507,9 +599,11 @@ def _ep_moe_forward_fake(x, topk_idx, topk_weights, w1, w2, buffer, precision="b
 
 
 @torch.library.register_fake("primemoe::_ep_moe_backward")
-def _ep_moe_backward_fake(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows, buffer, precision="bf16"):
+def _ep_moe_backward_fake(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, saved_rows, buffer, precision="bf16",
+                          w1_main_grad=None, w2_main_grad=None):
     return (dy.new_empty(dy.shape), topk_weights.new_empty(topk_weights.shape, dtype=torch.float32),
-            w1.new_empty(w1.shape), w2.new_empty(w2.shape))
+            *weight_grad_outputs((w1.new_empty(w1.shape), w2.new_empty(w2.shape)), (w1, w2),
+                                 (w1_main_grad, w2_main_grad)))
 
 
 # Plain calls (the decorator form returns None): the functions stay importable. The CPU kernels run
@@ -526,6 +620,7 @@ def _ep_setup_context(ctx, inputs, output):
     ctx.buffer, ctx.precision, ctx.weights_dtype = buffer, precision, topk_weights.dtype
     # x: with one rank the backward gathers its rows again instead of keeping them (BufferTransport.save_rows).
     ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2, fc1_out if keep_fc1 else None, saved_rows)
+    ctx.main_grads = MainGrads.of(w1, w2)
 
 
 def _ep_backward(ctx, dy, _d_fc1_out, _d_saved_rows):
@@ -533,7 +628,8 @@ def _ep_backward(ctx, dy, _d_fc1_out, _d_saved_rows):
     if dy is None:  # every rank still takes part in the backward's dispatch and combine
         dy = w1.new_zeros(topk_idx.shape[0], w1.shape[2])
     dx, dtw, dw1, dw2 = lib._ep_moe_backward(dy.contiguous(), x, topk_idx, topk_weights, w1, w2, fc1_out,
-                                             saved_rows, ctx.buffer, ctx.precision)
+                                             saved_rows, ctx.buffer, ctx.precision, *ctx.main_grads.tensors)
+    dw1, dw2 = ctx.main_grads.weight_grads(dw1, dw2)
     return dx, None, dtw.to(ctx.weights_dtype), dw1, dw2, None, None, None, None
 
 

@@ -26,6 +26,8 @@ class MoE(nn.Module):
     With a ``primemoe.Buffer`` (expert parallelism), ``w1`` / ``w2`` hold only this rank's
     ``buffer.local_experts`` experts, and a Qwen3 state dict loads just their slice.
 
+    ``attach_main_grads()``: fp32 main gradients for ``w1`` / ``w2`` that every backward adds into.
+
     ``precision``: passed to ``primemoe.moe`` ("fp8" / "fp8_bwd": blockwise FP8, H and I multiples of 128,
     an sm_90 GPU or the CPU's reference; the router stays in the module's dtype).
     """
@@ -51,6 +53,14 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate, device=device, dtype=dtype))
         self.reset_parameters()
         self._register_load_state_dict_pre_hook(self._convert_qwen3_keys)
+
+    def attach_main_grads(self) -> None:
+        """Gradient-accumulation fusion (Megatron's ``param.main_grad``): fp32 zeros as ``w1.main_grad`` and
+        ``w2.main_grad``, on the weights' device (call it after moving the module). Every backward then adds the
+        experts' weight gradients into them, in fp32 inside the weight-gradient GEMMs, and leaves ``w1.grad`` /
+        ``w2.grad`` None; zero them after each optimizer step. The router's gradient stays ``gate.weight.grad``."""
+        for w in (self.w1, self.w2):
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
 
     def reset_parameters(self):
         nn.init.normal_(self.w1, std=1 / math.sqrt(self.hidden))

@@ -18,7 +18,8 @@ sums each token's already weighted rows. The engine's ops:
 - ``fc2_dgrad_swiglu``: FC2 dgrad with the SwiGLU backward, the routing weight and the
   ``<da, a>`` routing-weight gradient partials in the epilogue;
 - ``expert_wgrad``: both weight gradients, each expert's rows reduced inside one tile (given
-  the layout's counts, only up to the last 64-row k-slice holding a routed row).
+  the layout's counts, only up to the last 64-row k-slice holding a routed row);
+  ``expert_wgrad_accumulate`` adds them in fp32 into a weight's fp32 main gradient instead.
 
 ``fc1_out`` is ``[rows, 2I]`` in the expert-major row order of
 ``dispatch_layout(topk_idx, E, 0, E, layer.forward_row_align(precision))`` (``ROW_ALIGN``; 128 for precision
@@ -54,9 +55,11 @@ def _moe_forward_fake(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_
 
 
 @torch.library.register_fake("primemoe::moe_backward")
-def _moe_backward_fake(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
+def _moe_backward_fake(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16", w1_main_grad=None,
+                       w2_main_grad=None):
     return (x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape, dtype=torch.float32),
-            w1.new_empty(w1.shape), w2.new_empty(w2.shape))
+            *layer.weight_grad_outputs((w1.new_empty(w1.shape), w2.new_empty(w2.shape)), (w1, w2),
+                                       (w1_main_grad, w2_main_grad)))
 
 
 @torch.library.register_fake("primemoe::dispatch_layout")
@@ -122,6 +125,11 @@ def _expert_wgrad_fake(a_rows, b_rows, expert_offsets, expert_rows=None):
     return a_rows.new_empty(expert_offsets.shape[0] - 1, a_rows.shape[1], b_rows.shape[1])
 
 
+@torch.library.register_fake("primemoe::expert_wgrad_accumulate")
+def _expert_wgrad_accumulate_fake(a_rows, b_rows, expert_offsets, expert_rows, main_grad):
+    return None
+
+
 @torch.library.register_fake("primemoe::ep_dispatch")
 def _ep_dispatch_fake(workspace, epoch, x, topk_idx, topk_weights, rank, world, max_tokens, local_experts,
                       row_align, num_sms, wait_arrivals=True, put_peers=False, force_put=False, copy_rows=True):
@@ -170,13 +178,20 @@ def _moe_forward_cpu(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_f
     return y, fc1
 
 
-def _moe_backward_cpu(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
+def _moe_backward_cpu(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16", w1_main_grad=None,
+                      w2_main_grad=None):
     check_precision(precision)
+    main_grads = layer.check_main_grads((w1, w2), (w1_main_grad, w2_main_grad))
     if precision in FP8_PRECISIONS:
         dx, dtw, dw1, dw2 = reference.moe_fp8_backward(dy, x, topk_idx, topk_weights, w1, w2,
                                                       fp8_forward=precision == "fp8")
-        return dx.to(x.dtype), dtw, dw1.to(w1.dtype), dw2.to(w2.dtype)
-    return reference.moe_backward(dy, x, topk_idx, topk_weights, w1, w2)
+        dx = dx.to(x.dtype)
+    else:
+        dx, dtw, dw1, dw2 = reference.moe_backward(dy, x, topk_idx, topk_weights, w1, w2)
+    # The reference's gradients come rounded to the weights' dtype: the CPU adds those.
+    dws = layer._into_main_grads((dw1, dw2), main_grads)
+    dws = [dw if dw is None else dw.to(w.dtype) for dw, w in zip(dws, (w1, w2))]
+    return (dx, dtw, *layer.weight_grad_outputs(dws, (w1, w2), main_grads))
 
 
 # ---------------------------------------------------------------- CUDA: the layer's composition
@@ -189,11 +204,14 @@ def _moe_forward_cuda(x, topk_idx, topk_weights, w1, w2, precision="bf16", keep_
     return y, fc1_out
 
 
-def _moe_backward_cuda(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16"):
+def _moe_backward_cuda(dy, x, topk_idx, topk_weights, w1, w2, fc1_out, precision="bf16", w1_main_grad=None,
+                       w2_main_grad=None):
     check_precision(precision)
+    main_grads = layer.check_main_grads((w1, w2), (w1_main_grad, w2_main_grad))
     transport = layer.LocalTransport(topk_idx, w1.shape[0], layer.backward_row_align(precision))
-    return layer.backward(transport, dy, x, topk_weights, w1, w2, fc1_out, precision=precision,
-                          fc1_row_align=layer.forward_row_align(precision))
+    dx, dtw, dw1, dw2 = layer.backward(transport, dy, x, topk_weights, w1, w2, fc1_out, precision=precision,
+                                       fc1_row_align=layer.forward_row_align(precision), main_grads=main_grads)
+    return (dx, dtw, *layer.weight_grad_outputs((dw1, dw2), (w1, w2), main_grads))
 
 
 # Registered as plain calls (the decorator form returns None) so the functions stay importable.
@@ -215,6 +233,7 @@ def _setup_context(ctx, inputs, output):
     # fc1_out gets no gradient: without this, autograd would fill a zero tensor of its size for every backward.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2, fc1_out if keep_fc1 else None)
+    ctx.main_grads = layer.MainGrads.of(w1, w2)
 
 
 def _backward(ctx, dy, _d_fc1_out):
@@ -222,7 +241,8 @@ def _backward(ctx, dy, _d_fc1_out):
     if dy is None:
         dy = torch.zeros_like(x)
     dx, dtw, dw1, dw2 = lib.moe_backward(dy.contiguous(), x, topk_idx, topk_weights, w1, w2,
-                                         fc1_out if ctx.keep_fc1 else None, ctx.precision)
+                                         fc1_out if ctx.keep_fc1 else None, ctx.precision, *ctx.main_grads.tensors)
+    dw1, dw2 = ctx.main_grads.weight_grads(dw1, dw2)
     return dx, None, dtw.to(ctx.weights_dtype), dw1, dw2, None, None
 
 

@@ -431,6 +431,34 @@ def test_row_gemms_publishing_their_rows(w_kn):
     primemoe.check_errors()
 
 
+@pytest.mark.parametrize("counts", ["mixed", "slice_edges"])
+def test_wgrad_accumulating_into_main_grads(counts):
+    """expert_wgrad_accumulate: into zeros, exactly the fp32 sums that expert_wgrad rounds to bf16 (the same
+    accumulator); repeated, the same bits; into a random start, start + the fp64 product within fp32 rounding, and
+    the experts without rows keep their start bit for bit."""
+    e = engine_operands(COUNTS[counts], hidden=512, inter=256, seed=15, device="cuda")
+    offsets = e.offsets.tolist()
+    for a_rows, b_rows in ((e.dy_rows, e.a), (e.h, e.xs)):  # dw2 [E, H, I], dw1 [E, 2I, H]
+        shape = (len(offsets) - 1, a_rows.shape[1], b_rows.shape[1])
+        plain = ops.expert_wgrad(a_rows, b_rows, e.offsets, e.counts)
+        into_zeros = [torch.zeros(shape, device="cuda") for _ in range(2)]
+        for main_grad in into_zeros:
+            ops.expert_wgrad_accumulate(a_rows, b_rows, e.offsets, e.counts, main_grad)
+        assert torch.equal(into_zeros[0], into_zeros[1])
+        assert torch.equal(into_zeros[0].bfloat16(), plain)
+        start = torch.randn(shape, device="cuda")
+        main_grad = start.clone()
+        ops.expert_wgrad_accumulate(a_rows, b_rows, e.offsets, e.counts, main_grad)
+        for x, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+            if hi == lo:
+                assert torch.equal(main_grad[x], start[x])
+                continue
+            want = start[x].double() + a_rows[lo:hi].double().t() @ b_rows[lo:hi].double()
+            err = (main_grad[x].double() - want).norm() / want.norm()
+            assert err < 1e-5, f"expert {x}: relative error {err:.2e}"
+    primemoe.check_errors()
+
+
 def test_sm_budget_gives_the_same_bits():
     """primemoe.set_num_sms caps the GEMMs' persistent grids; every tile is computed the same whichever CTA takes
     it, so the results are bitwise those of the full grid."""

@@ -279,3 +279,27 @@ def test_debug_mode_checks_ids_before_any_kernel(monkeypatch):
     with pytest.raises(ValueError, match=r"topk_idx\[6, 1\] = 999"):
         primemoe.moe(p.x, p.topk_idx, p.topk_weights, p.w1, p.w2)
     primemoe.check_errors()  # nothing ran, so nothing was recorded
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("keep_fc1", [True, False])
+def test_main_grads_on_the_gpu(precision, keep_fc1):
+    """Weights with fp32 main gradients: the weight-gradient GEMMs add into them (bf16: its accumulating epilogue;
+    fp8: the GEMM's fp32 result added by a pass), w1 / w2 get no .grad, everything else unchanged; two backwards
+    sum; into zeros, main_grad rounded to bf16 is the plain gradient bit for bit (bf16: the same accumulator)."""
+    problem = make_problem(4095, *SMALL, routing="skewed", seed=21, device="cuda")
+    moe = functools.partial(primemoe.moe, keep_fc1=keep_fc1, precision=precision)
+    plain = run_moe(moe, problem)
+    leaves = [t.detach().clone().requires_grad_() for t in (problem.x, problem.topk_weights, problem.w1, problem.w2)]
+    x, tw, w1, w2 = leaves
+    w1.main_grad, w2.main_grad = torch.zeros(w1.shape, device="cuda"), torch.zeros(w2.shape, device="cuda")
+    moe(x, problem.topk_idx, tw, w1, w2).backward(problem.dy)
+    assert w1.grad is None and w2.grad is None
+    assert torch.equal(x.grad, plain.dx) and torch.equal(tw.grad, plain.dtw)
+    for main_grad, dw in ((w1.main_grad, plain.dw1), (w2.main_grad, plain.dw2)):
+        assert torch.equal(main_grad.bfloat16(), dw)
+    once = [w1.main_grad.clone(), w2.main_grad.clone()]
+    moe(x, problem.topk_idx, tw, w1, w2).backward(problem.dy)
+    for main_grad, first in zip((w1.main_grad, w2.main_grad), once):
+        assert torch.equal(main_grad, 2 * first)  # the same fp32 sums again: doubling is exact
+    primemoe.check_errors()

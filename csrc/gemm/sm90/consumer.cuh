@@ -278,6 +278,34 @@ __device__ __forceinline__ void consumer_warpgroups(const GemmParams& p, Smem& s
       store_round(Int<0>{}, scaled_pair, tail_row0, tile.n_tile * kGemmTileN + 128 * wg);
     }
   };
+  // kExperts into an fp32 main gradient (GroupedGemmArgs::accumulate): each value added to its element in place,
+  // straight from the accumulator, eight pairs in flight at a time (all 64 would take 128 registers).
+  auto accumulate_tile = [&](const Tile& tile) {
+    if (tile.k_tiles == 0) return;  // an expert without rows adds nothing
+    float* out = args.accumulate + int64_t(tile.expert) * args.m * n;
+    const int32_t r0 = tile.m0 + 64 * wg + frag_row;
+    const int32_t c0 = tile.n_tile * kGemmTileN + frag_col;
+    CUTE_UNROLL
+    for (int g = 0; g < 2 * kHalf; g += 16) {
+      float2 v[8];
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        const int i = g + 2 * j;
+        const int32_t r = r0 + 8 * ((i >> 1) & 1);
+        if (r < args.m) v[j] = *reinterpret_cast<const float2*>(out + int64_t(r) * n + c0 + 8 * (i >> 2));
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        const int i = g + 2 * j;
+        const int32_t r = r0 + 8 * ((i >> 1) & 1);
+        if (r < args.m) {
+          *reinterpret_cast<float2*>(out + int64_t(r) * n + c0 + 8 * (i >> 2)) =
+              make_float2(v[j].x + acc(i), v[j].y + acc(i + 1));
+        }
+      }
+      asm volatile("" ::: "memory");  // the next group's loads after these stores: eight pairs live at a time
+    }
+  };
   uint32_t exchanges = 0;  // split half tiles: partial-sum rounds passed between the warpgroups
   for (uint32_t taken = 0;; ++taken) {
     int32_t t;
@@ -463,6 +491,10 @@ __device__ __forceinline__ void consumer_warpgroups(const GemmParams& p, Smem& s
       if (wg == 1) cutlass::arch::ClusterBarrier::wait(&smem.exchange_empty, (exchanges & 1) ^ 1);
     }
     if (!epilogue) continue;
+    if (S == GemmSchedule::kExperts && E == GemmEpilogue::kStore && args.accumulate != nullptr) {
+      accumulate_tile(tile);
+      continue;
+    }
     if constexpr (kDeferred) {
       deferred_epilogue();
     } else {
