@@ -529,3 +529,23 @@ def test_both_paths_run_on_cpu_and_reach_the_outputs(monkeypatch, fake_cuda, tmp
     assert "| 200 | 0.67 | 20 |" in md and "- memory: one user-path forward+backward" in md
     out = capsys.readouterr().out
     assert "raw fwd TFLOP/s" in out and "user path (the headline)" in out
+
+
+def test_main_grad_paths_accumulate_on_the_cpu():
+    """The benchmark's main-grad implementations on the CPU: the fused one adds into w1 / w2's main_grad and
+    returns dx, dtw; the separate one adds the plain gradients afterwards; both sums agree."""
+    from types import SimpleNamespace
+
+    from helpers import make_problem
+
+    import primemoe
+    from primemoe import bench
+
+    p = make_problem(21, 64, 32, 8, 2, seed=2)
+    inp = SimpleNamespace(x=p.x, topk_idx=p.topk_idx, topk_weights=p.topk_weights, w1=p.w1, w2=p.w2)
+    fused, separate = bench._MainGradPath(primemoe.moe, inp), bench._SeparateMainGradPath(primemoe.moe, inp)
+    for path in (fused, separate):
+        grads = path.backward(path.forward(), p.dy)
+        assert len(grads) == 2
+    for got, want in zip((w.main_grad for w in fused.leaves[2:]), separate.main_grads):
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))

@@ -125,6 +125,40 @@ class _UserPath:
         return torch.autograd.grad(y, self.leaves, dy)
 
 
+class _MainGradPath(_UserPath):
+    """The user path with fp32 main gradients on w1 / w2 (gradient-accumulation fusion): the backward adds the weight
+    gradients into them inside the weight-gradient GEMMs; autograd.grad of x and topk_weights."""
+
+    def __init__(self, moe: Callable, inp):
+        super().__init__(moe, inp)
+        for w in self.leaves[2:]:
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+
+    def backward(self, y, dy):
+        return torch.autograd.grad(y, self.leaves[:2], dy)
+
+
+class _SeparateMainGradPath(_UserPath):
+    """The plain user path, then each weight gradient added into an fp32 main gradient: what a framework does
+    without the fusion (a pass over dw1 and dw2)."""
+
+    def __init__(self, moe: Callable, inp):
+        super().__init__(moe, inp)
+        self.main_grads = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in self.leaves[2:]]
+
+    def backward(self, y, dy):
+        grads = torch.autograd.grad(y, self.leaves, dy)
+        for main_grad, dw in zip(self.main_grads, grads[2:]):
+            main_grad.add_(dw)
+        return grads[:2]
+
+
+def _path_raw(path: type, user: Callable):
+    def make(inp, group, case, ctx):
+        return path(user(group, case, ctx), inp)
+    return make
+
+
 def _primemoe_moe(group, case, ctx) -> Callable:
     """primemoe.moe; EP>1: through the shape's Buffer."""
     import primemoe
@@ -285,6 +319,7 @@ class Impl:
     precisions: tuple
     about: str
     user: Optional[Callable] = None  # the user path's moe call; None: timed in the raw ops only
+    path: type = _UserPath  # how the user path calls it
     single_gpu: Optional[str] = None  # why it cannot run at EP > 1, if it cannot
     failure: str = "error"  # the status of a case it fails
 
@@ -302,6 +337,12 @@ IMPLS = {
                        user=_buffer_moe(False)),
     "buffer-combine": Impl(_buffer_raw(True, True), ("bf16",), "as buffer, with Buffer(overlap_combine=True): the "
                            "combines alongside FC2 and FC1's dgrad too", user=_buffer_moe(True, True)),
+    "main-grad": Impl(_path_raw(_MainGradPath, _primemoe_moe), BUILT_PRECISIONS, "primemoe.moe with fp32 "
+                      "main_grad on w1 / w2: the weight-gradient GEMMs add into them (gradient-accumulation fusion); "
+                      "raw: the same call", user=_primemoe_moe, path=_MainGradPath),
+    "main-grad-separate": Impl(_path_raw(_SeparateMainGradPath, _primemoe_moe), BUILT_PRECISIONS, "primemoe.moe, "
+                               "then main_grad.add_(dw) for w1 and w2 (the accumulation main-grad fuses); raw: the "
+                               "same call", user=_primemoe_moe, path=_SeparateMainGradPath),
     "reference": Impl(_reference_raw, ("bf16",), "pure-PyTorch loop over experts (fp32), autograd backward; "
                       "raw timing only", single_gpu="single GPU only"),
 }
@@ -605,7 +646,8 @@ def _run_user(cases: list, inp: Inputs, args, group, flush_buf, ctx: _ShapeConte
     runners, runs = {}, {}
     for case in cases:
         try:
-            runners[case.index] = _UserPath(case.spec().user(group, case, ctx), inp)
+            spec = case.spec()
+            runners[case.index] = spec.path(spec.user(group, case, ctx), inp)
         except Exception as exc:
             runs[case.index] = {"error": _error_text(exc)}
     try:
