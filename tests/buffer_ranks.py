@@ -326,3 +326,43 @@ def layer_soak(rank, world, sizes, iterations, out_dir):
         torch.save({"iterations": iterations, "allocated": (allocated, final), "not_finite": int(not_finite),
                     "repeats_differing": int(repeats_differing)}, os.path.join(out_dir, f"rank{rank}.pt"))
 
+
+
+def capacity_cases(rank, world, sizes, max_recv_rows, out_dir):
+    """A Buffer with ``max_recv_rows`` next to a default one: a dispatch within the capacity matches it; one that
+    brings rank 0 more rows records the overflow on every rank (no hang) and the next call works again."""
+    with ep_rank(rank, world) as device:
+        gen = torch.Generator().manual_seed(4000 + rank)
+        E_local, H, I, K = sizes["num_experts"] // world, sizes["hidden"], sizes["intermediate"], sizes["top_k"]
+        w1 = (torch.randn(E_local, 2 * I, H, generator=gen) * H ** -0.5).to(device, torch.bfloat16)
+        w2 = (torch.randn(E_local, H, I, generator=gen) * I ** -0.5).to(device, torch.bfloat16)
+
+        def problem(tokens, everything_to_expert0=False):
+            x = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
+            idx, weights = primemoe.route(torch.randn(tokens, sizes["num_experts"], generator=gen), K)
+            if everything_to_expert0:
+                idx = torch.zeros_like(idx)
+            dy = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
+            return Problem(x=x, topk_idx=idx.to(device), topk_weights=weights.to(device), w1=w1, w2=w2, dy=dy)
+
+        fits = problem(sizes["max_tokens_per_rank"] // 2)
+        overflows = problem(sizes["max_tokens_per_rank"], everything_to_expert0=True)
+        results = {}
+        with primemoe.Buffer(dist.group.WORLD, **sizes) as default:
+            results["default"] = _cpu(run_moe(partial(primemoe.moe, buffer=default), fits))
+        with primemoe.Buffer(dist.group.WORLD, **sizes, max_recv_rows=max_recv_rows) as capped:
+            results["fits"] = _cpu(run_moe(partial(primemoe.moe, buffer=capped), fits))
+            primemoe.check_errors()
+            # Forward only, then a sync: a backward would raise the forward's error at its first op on some ranks
+            # (the next primemoe call reports an earlier one) while the others wait in its dispatch.
+            with torch.no_grad():
+                primemoe.moe(overflows.x, overflows.topk_idx, overflows.topk_weights, w1, w2, buffer=capped)
+            torch.cuda.synchronize()
+            try:
+                primemoe.check_errors()
+                results["overflow_error"] = None
+            except primemoe.DeviceError as error:
+                results["overflow_error"] = str(error)
+            results["again"] = _cpu(run_moe(partial(primemoe.moe, buffer=capped), fits))
+            primemoe.check_errors()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -22,6 +22,7 @@ from primemoe._validate import MoeShape
 from primemoe.buffer import (SYMMETRIC_HEAP_MARGIN, EpConfig, buffer_config, ep_arrivals_per_epoch, ep_layout,
                              ep_region, ep_transport, nvshmem_environment)
 from primemoe.ep import check_buffer_problem
+from primemoe.ops import layout_max_rows
 
 GOOD_SIZES = dict(max_tokens_per_rank=64, hidden=32, intermediate=16, num_experts=8, top_k=2)
 
@@ -203,6 +204,27 @@ def test_experts_must_split_evenly_over_the_ranks():
     with pytest.raises(ValueError, match="num_experts: 8 experts cannot be split evenly over the group's 3 ranks"):
         buffer_config(3, **GOOD_SIZES, row_align=1, num_sms=24)
     assert buffer_config(4, **GOOD_SIZES, row_align=1, num_sms=24).local_experts == 2
+
+
+def test_max_recv_rows_bounds_the_receive_region():
+    """max_recv_rows sizes the receive region (and with it the layer's row buffers) instead of the worst case; the
+    kernels' layout (exported from C++) agrees; below a rank's own slots, or not an int: refused."""
+    worst = buffer_config(4, **GOOD_SIZES, row_align=8, num_sms=24)
+    capped = buffer_config(4, **GOOD_SIZES, row_align=8, num_sms=24, max_recv_rows=200)
+    assert worst.recv_capacity == 0 and worst.recv_slots == 4 * 64 * 2
+    assert capped.recv_slots == 200 and capped.max_recv_rows == layout_max_rows(200, 2, 8)
+    assert ep_layout(capped)[0]["recv_rows"][2] == (capped.max_recv_rows, 32)
+    assert ep_layout(capped)[0]["recv_meta"][2] == (capped.max_recv_rows,)
+    assert ep_layout(capped)[1] < ep_layout(worst)[1]
+    # Above the worst case it is the worst case.
+    assert buffer_config(4, **GOOD_SIZES, row_align=8, num_sms=24, max_recv_rows=10 ** 6).max_recv_rows == \
+        worst.max_recv_rows
+    with pytest.raises(ValueError, match=r"max_recv_rows: expected at least max_tokens_per_rank \* top_k = 128"):
+        buffer_config(4, **GOOD_SIZES, row_align=8, num_sms=24, max_recv_rows=127)
+    with pytest.raises(TypeError, match="max_recv_rows: expected an int or None, got float"):
+        buffer_config(4, **GOOD_SIZES, row_align=8, num_sms=24, max_recv_rows=200.0)
+    with pytest.raises(RuntimeError, match="max_recv_rows: expected 0"):
+        torch.ops.primemoe._ep_workspace_layout(4, 64, 32, 2, 2, 8, False, 100)
 
 
 def test_receive_rows_must_fit_int32():

@@ -131,6 +131,10 @@ DEVICE_ERRORS = {
                       "the results of that call are invalid",
     (2, -1, 5, 2, 3): "primemoe: rank 5 timed out waiting for a source rank (the rows of local expert 2, before "
                       "its expert GEMM); the results of that call are invalid",
+    (3, 1, 640, 900, 0): "primemoe: rank 1 would have received 900 rows (with its experts' padding) in one dispatch, "
+                         "more than the 640 its Buffer holds (max_recv_rows): it was sent none of them and the "
+                         "results of that call are invalid (seen by rank 0; create the Buffer with a larger "
+                         "max_recv_rows)",
     (7, 0, 0, 0, 0): "primemoe: device error code 7",
 }
 

@@ -93,6 +93,12 @@ std::string describe_error(const ErrorRecord& rec) {
                                    "than max_tokens_per_rank, or it makes a different sequence of primemoe calls)"
                                  : "");
   }
+  if (rec.code == kRecvOverflow) {
+    return "primemoe: rank " + std::to_string(rec.value) + " would have received " + std::to_string(rec.index0) +
+           " rows (with its experts' padding) in one dispatch, more than the " + std::to_string(rec.limit) +
+           " its Buffer holds (max_recv_rows): it was sent none of them and the results of that call are invalid "
+           "(seen by rank " + std::to_string(rec.index1) + "; create the Buffer with a larger max_recv_rows)";
+  }
   return "primemoe: device error code " + std::to_string(rec.code);
 }
 

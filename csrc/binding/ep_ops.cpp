@@ -48,7 +48,7 @@ bool nvshmem_peers_need_put_op() {
 }
 
 EpConfig ep_config(int64_t rank, int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k,
-                   int64_t local_experts, int64_t row_align, bool put_peers, bool force_put) {
+                   int64_t local_experts, int64_t row_align, bool put_peers, bool force_put, int64_t recv_capacity) {
   PRIMEMOE_CHECK(world >= 1 && rank >= 0 && rank < world, "rank: expected 0 <= rank < world");
   PRIMEMOE_CHECK(max_tokens >= 1 && hidden >= 8 && hidden % 8 == 0 && top_k >= 1 && local_experts >= 1 &&
                      row_align >= 1,
@@ -58,7 +58,11 @@ EpConfig ep_config(int64_t rank, int64_t world, int64_t max_tokens, int64_t hidd
   PRIMEMOE_CHECK(put_peers || !force_put, "ep: force_put needs the put staging region (put_peers=True)");
   EpConfig c{static_cast<int32_t>(rank),       static_cast<int32_t>(world),  static_cast<int32_t>(max_tokens),
              static_cast<int32_t>(hidden),     static_cast<int32_t>(top_k),  static_cast<int32_t>(local_experts),
-             static_cast<int32_t>(row_align),  put_peers,                    force_put};
+             static_cast<int32_t>(row_align),  put_peers,                    force_put,
+             recv_capacity};
+  // A rank's own slots always fit: the put staging region is indexed by send row and sized like the receive rows.
+  PRIMEMOE_CHECK(recv_capacity == 0 || recv_capacity >= c.max_slots(), "max_recv_rows: expected 0 (the worst case) "
+                 "or at least max_tokens * top_k = ", c.max_slots(), ", got ", recv_capacity);
   PRIMEMOE_CHECK(c.max_recv_rows() < (int64_t(1) << 31), "ep: max_tokens * top_k * world exceeds 32-bit row indices");
   return c;
 }
@@ -67,9 +71,9 @@ EpConfig ep_config(int64_t rank, int64_t world, int64_t max_tokens, int64_t hidd
 // arrival counter gains per dispatch) and "total bytes": python/primemoe/buffer.py takes the typed views of the
 // workspace and the GEMM wait hook's target from here.
 std::string ep_workspace_layout_op(int64_t world, int64_t max_tokens, int64_t hidden, int64_t top_k,
-                                   int64_t local_experts, int64_t row_align, bool put_peers) {
-  const auto regions =
-      ep_regions(ep_config(0, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers, false));
+                                   int64_t local_experts, int64_t row_align, bool put_peers, int64_t recv_capacity) {
+  const auto regions = ep_regions(
+      ep_config(0, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers, false, recv_capacity));
   std::string out;
   for (const EpRegion& r : regions) {
     out += std::string(r.name) + " " + ep_element_name(r.type) + " " + std::to_string(r.offset) + " ";
@@ -126,10 +130,11 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
                                                     const Tensor& topk_idx, const Tensor& topk_weights, int64_t rank,
                                                     int64_t world, int64_t max_tokens, int64_t local_experts,
                                                     int64_t row_align, int64_t num_sms, bool wait_arrivals,
-                                                    bool put_peers, bool force_put, bool copy_rows) {
+                                                    bool put_peers, bool force_put, bool copy_rows,
+                                                    int64_t recv_capacity) {
   check_rows(x, "x");
   const EpConfig c = ep_config(rank, world, max_tokens, x.size(1), topk_idx.size(1), local_experts, row_align,
-                               put_peers, force_put);
+                               put_peers, force_put, recv_capacity);
   const EpLayout l = ep_layout(c);
   check_workspace(workspace, epoch, c, l);
   PRIMEMOE_CHECK(x.size(0) <= max_tokens, "x: ", x.size(0), " tokens exceed the buffer's max_tokens_per_rank ",
@@ -179,9 +184,9 @@ std::tuple<Tensor, Tensor, Tensor> ep_dispatch_cuda(Tensor& workspace, Tensor& e
 void ep_combine_cuda(Tensor& workspace, Tensor& epoch, const Tensor& rows, const std::optional<Tensor>& row_scalars,
                      const Tensor& expert_offsets, int64_t rank, int64_t world, int64_t max_tokens, int64_t hidden,
                      int64_t top_k, int64_t local_experts, int64_t row_align, int64_t num_sms, bool put_peers,
-                     bool force_put, bool published, bool send, bool wait) {
+                     bool force_put, bool published, bool send, bool wait, int64_t recv_capacity) {
   const EpConfig c = ep_config(rank, world, max_tokens, hidden, top_k, local_experts, row_align, put_peers,
-                               force_put);
+                               force_put, recv_capacity);
   const EpLayout l = ep_layout(c);
   check_workspace(workspace, epoch, c, l);
   check_rows(rows, "rows");

@@ -86,19 +86,19 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   // One line per region, "name element byte_offset d0,d1,...", then "total bytes".
   m.def(
       "_ep_workspace_layout(int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, "
-      "bool put_peers) -> str");
+      "bool put_peers, int recv_capacity=0) -> str");
   m.def("_ep_workspace_alloc(int nbytes) -> Tensor");
   m.def("_ep_workspace_free(Tensor workspace) -> ()");
   m.def(
       "ep_dispatch(Tensor(a!) workspace, Tensor(b!) epoch, Tensor x, Tensor topk_idx, Tensor topk_weights, int rank, "
       "int world, int max_tokens, int local_experts, int row_align, int num_sms, bool wait_arrivals=True, "
-      "bool put_peers=False, bool force_put=False, bool copy_rows=True) -> (Tensor expert_counts, "
-      "Tensor expert_offsets, "
-      "Tensor slot_valid)");
+      "bool put_peers=False, bool force_put=False, bool copy_rows=True, int recv_capacity=0) -> "
+      "(Tensor expert_counts, Tensor expert_offsets, Tensor slot_valid)");
   m.def(
       "ep_combine(Tensor(a!) workspace, Tensor(b!) epoch, Tensor rows, Tensor? row_scalars, Tensor expert_offsets, "
       "int rank, int world, int max_tokens, int hidden, int top_k, int local_experts, int row_align, int num_sms, "
-      "bool put_peers=False, bool force_put=False, bool published=False, bool send=True, bool wait=True) -> ()");
+      "bool put_peers=False, bool force_put=False, bool published=False, bool send=True, bool wait=True, "
+      "int recv_capacity=0) -> ()");
 
   // ---------------------------------------------------------------- FP8 quantisation (quant_ops.cpp)
   // Blockwise E4M3, one fp32 dequantisation scale per tile (python/primemoe/fp8.py; pow2: scales rounded up to

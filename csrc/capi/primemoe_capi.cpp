@@ -34,7 +34,8 @@ static_assert(sizeof(primemoe_error_record) == sizeof(ErrorRecord) &&
                   offsetof(primemoe_error_record, index0) == offsetof(ErrorRecord, index0) &&
                   offsetof(primemoe_error_record, index1) == offsetof(ErrorRecord, index1),
               "primemoe_error_record must have ErrorRecord's layout");
-static_assert(PRIMEMOE_DEVICE_ERROR_BAD_EXPERT_ID == kBadExpertId && PRIMEMOE_DEVICE_ERROR_WAIT_TIMEOUT == kWaitTimeout,
+static_assert(PRIMEMOE_DEVICE_ERROR_BAD_EXPERT_ID == kBadExpertId && PRIMEMOE_DEVICE_ERROR_WAIT_TIMEOUT == kWaitTimeout &&
+                  PRIMEMOE_DEVICE_ERROR_RECV_OVERFLOW == kRecvOverflow,
               "device error codes differ");
 // Version 1.0's struct sizes (LP64): a change here is an ABI change (a new major version, or fields at the end
 // with the older sizes still accepted by check_struct).

@@ -120,6 +120,7 @@ typedef struct primemoe_error_record {
 #define PRIMEMOE_DEVICE_ERROR_NONE 0
 #define PRIMEMOE_DEVICE_ERROR_BAD_EXPERT_ID 1 /* value = the id, limit = E, index0 = token, index1 = k */
 #define PRIMEMOE_DEVICE_ERROR_WAIT_TIMEOUT 2  /* value = awaited rank, limit = waiting rank, index0 = expert/block */
+#define PRIMEMOE_DEVICE_ERROR_RECV_OVERFLOW 3 /* value = receiving rank, limit = its receive rows, index0 = rows */
 
 /* *out = the device pointer of `device`'s record (allocated on first use, host-mapped), for the `error` fields. */
 PRIMEMOE_CAPI primemoe_status primemoe_device_error_record(int32_t device, primemoe_error_record** out);

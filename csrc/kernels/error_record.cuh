@@ -10,6 +10,8 @@ enum ErrorCode : int32_t {
   kNoError = 0,
   kBadExpertId = 1,  // value = the id, limit = E, index0 = token, index1 = k
   kWaitTimeout = 2,  // value = awaited rank, limit = waiting rank, index0 = awaited expert/block
+  kRecvOverflow = 3,  // value = the receiving rank, limit = its receive rows, index0 = the rows it would get,
+                      // index1 = the rank that recorded it
 };
 
 struct ErrorRecord {

@@ -158,6 +158,8 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   __shared__ int32_t pair_rows[kMaxExperts];    // [dest][e]: rows all sources send to (dest, e)
   __shared__ int32_t pair_before[kMaxExperts];  // [dest][e]: rows of the sources before this rank
   __shared__ int32_t recv_rows_from[kMaxExperts];  // [src], W <= W * E
+  __shared__ int32_t dest_rows[kMaxExperts];       // [dest]: its padded receive rows
+  __shared__ bool over[kMaxExperts];               // [dest]: more than its receive region holds
   for (int i = threadIdx.x; i < W; i += blockDim.x) recv_rows_from[i] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
@@ -199,6 +201,24 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
       offset += __shfl_sync(0xffffffffu, inclusive, 31);
     }
     if (dest == me && lane == 0) a.expert_offsets[E] = offset;
+    if (lane == 0) dest_rows[dest] = offset;
+  }
+  __syncthreads();
+  // A destination whose rows would not fit its receive region (EpConfig::recv_capacity) is sent nothing, by every
+  // rank alike (each sees every count): its experts get no rows this epoch and every rank records the overflow.
+  const int64_t capacity = c.max_recv_rows();
+  for (int d = threadIdx.x; d < W; d += blockDim.x) {
+    over[d] = dest_rows[d] > capacity;
+    if (over[d]) record_error(a.error, kRecvOverflow, d, static_cast<int32_t>(capacity), dest_rows[d], me);
+  }
+  __syncthreads();
+  if (over[me]) {
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+      if (e < E) a.expert_counts[e] = 0;
+      a.expert_offsets[e] = 0;
+    }
+    for (int src = threadIdx.x; src < W; src += blockDim.x) recv_rows_from[src] = 0;
+    __syncthreads();
   }
   for (int src = threadIdx.x; src < W; src += blockDim.x) a.scratch.recv_from[src] = recv_rows_from[src];
   __syncthreads();
@@ -209,9 +229,9 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   const int per_thread = (P + blockDim.x - 1) / blockDim.x;
   const int p0 = min(P, int(threadIdx.x) * per_thread), p1 = min(P, p0 + per_thread);
   auto entry_rows = [&](int p) {
-    const int e = p / (W + 1), j = p % (W + 1);
-    return j < W ? a.send_counts[((me + 1 + j) % W) * E + e] : a.expert_offsets[e + 1] - a.expert_offsets[e] -
-                                                                   a.expert_counts[e];
+    const int e = p / (W + 1), j = p % (W + 1), dest = (me + 1 + j) % W;
+    if (j < W) return over[dest] ? 0 : a.send_counts[dest * E + e];
+    return a.expert_offsets[e + 1] - a.expert_offsets[e] - a.expert_counts[e];
   };
   int32_t mine = 0;
   for (int p = p0; p < p1; ++p) mine += entry_rows(p);
@@ -246,7 +266,7 @@ __global__ void __launch_bounds__(kThreads) ep_notify_kernel(EpDispatchArgs a) {
   }
   // A (destination, expert) pair this rank sends nothing to is complete already.
   for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
-    if (a.send_counts[i] == 0) nvshmemx_signal_op(arrivals + i % E, 1, NVSHMEM_SIGNAL_ADD, i / E);
+    if (a.send_counts[i] == 0 || over[i / E]) nvshmemx_signal_op(arrivals + i % E, 1, NVSHMEM_SIGNAL_ADD, i / E);
   }
 }
 

@@ -27,10 +27,18 @@ struct EpConfig {
   int32_t row_align;  // each local expert's received rows start at a multiple of this
   bool put_peers;     // some peer takes NVSHMEM puts (not reachable by load/store): the layout has stage_rows
   bool force_put;     // every other rank takes puts, as if on another node (tests the put path on one node)
+  // Routed rows a rank can receive per dispatch (0: the worst case, world * max_slots): the receive region, and the
+  // layer's row buffers sized like it, hold this many plus each expert's padding. A dispatch that would bring a rank
+  // more sends it nothing and records kRecvOverflow on every rank.
+  int64_t recv_capacity;
 
   PRIMEMOE_HOST_DEVICE int64_t max_slots() const { return int64_t(max_tokens) * top_k; }
+  PRIMEMOE_HOST_DEVICE int64_t recv_slots() const {
+    const int64_t worst = int64_t(world) * max_slots();
+    return recv_capacity > 0 && recv_capacity < worst ? recv_capacity : worst;
+  }
   PRIMEMOE_HOST_DEVICE int64_t max_recv_rows() const {
-    return int64_t(world) * max_slots() + int64_t(local_experts) * (row_align - 1);
+    return recv_slots() + int64_t(local_experts) * (row_align - 1);
   }
 };
 

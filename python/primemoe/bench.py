@@ -628,10 +628,12 @@ class _ShapeContext:
                           for h, _, e, k in (MODEL_SHAPES[s].dims for s in self.args.shapes) if e % world == 0)
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(self.MAX_BUFFERS * largest + SYMMETRIC_HEAP_MARGIN))
             hidden, inter, experts, top_k = MODEL_SHAPES[self.shape].dims
+            factor = self.args.recv_factor
+            max_recv_rows = None if factor is None else factor * self.max_tokens * top_k
             self._buffers[key] = primemoe.Buffer(group, max_tokens_per_rank=self.max_tokens, hidden=hidden,
                                                  intermediate=inter, num_experts=experts, top_k=top_k,
                                                  precision=precision, num_sms=num_sms, overlap=overlap,
-                                                 overlap_combine=overlap_combine)
+                                                 overlap_combine=overlap_combine, max_recv_rows=max_recv_rows)
         return self._buffers[key]
 
     def close(self) -> None:
@@ -1135,6 +1137,9 @@ def parse_args(argv=None):
                         "ignores it)")
     p.add_argument("--skip-reference-above", type=_int_from(1), metavar="TOKENS",
                    help="run the reference only up to this many tokens per rank (default: the smallest --tokens)")
+    p.add_argument("--recv-factor", type=_int_from(1), default=None, metavar="F",
+                   help="Buffers receive at most F x max_tokens_per_rank x top_k rows per dispatch (Buffer's "
+                        "max_recv_rows; default: the worst case, EP x that), bounding the layer's memory at EP > 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     p.add_argument("--dry-run", action="store_true", help="print the cases and FLOP counts; needs no GPU")

@@ -65,15 +65,22 @@ class EpConfig:
     local_experts: int
     row_align: int
     put_peers: bool  # some rank sends by NVSHMEM puts: the workspace has the staging region
+    recv_capacity: int = 0  # routed rows a rank can receive per dispatch (0: every slot of every rank)
 
     @property
     def max_slots(self) -> int:
         return self.max_tokens * self.top_k
 
     @property
+    def recv_slots(self) -> int:
+        worst = self.world * self.max_slots
+        return min(self.recv_capacity, worst) if self.recv_capacity > 0 else worst
+
+    @property
     def max_recv_rows(self) -> int:
-        """Rows of the receive layout: every slot of every rank, each local expert padded."""
-        return layout_max_rows(self.world * self.max_slots, self.local_experts, self.row_align)
+        """Rows of the receive layout: ``recv_slots`` (every slot of every rank, or the capacity), each local
+        expert padded."""
+        return layout_max_rows(self.recv_slots, self.local_experts, self.row_align)
 
 
 # Element types of the regions; the uint64 counters and flags are viewed as int64 (the same bytes; torch has few
@@ -83,7 +90,7 @@ _ELEMENT_DTYPES = {"int32": torch.int32, "uint64": torch.int64, "bfloat16": torc
 
 def _layout_text(config: EpConfig) -> List[List[str]]:
     text = lib._ep_workspace_layout(config.world, config.max_tokens, config.hidden, config.top_k,
-                                    config.local_experts, config.row_align, config.put_peers)
+                                    config.local_experts, config.row_align, config.put_peers, config.recv_capacity)
     return [line.split() for line in text.splitlines()]
 
 
@@ -107,9 +114,10 @@ def ep_layout(config: EpConfig) -> Tuple[Dict[str, Tuple[int, torch.dtype, Tuple
 
 
 def ep_region(workspace: torch.Tensor, name: str, world: int, max_tokens: int, hidden: int, top_k: int,
-              local_experts: int, row_align: int, put_peers: bool) -> torch.Tensor:
+              local_experts: int, row_align: int, put_peers: bool, recv_capacity: int = 0) -> torch.Tensor:
     """The region ``name`` of a workspace (uint8 tensor) as a typed view with its shape."""
-    layout, total = ep_layout(EpConfig(world, max_tokens, hidden, top_k, local_experts, row_align, put_peers))
+    layout, total = ep_layout(EpConfig(world, max_tokens, hidden, top_k, local_experts, row_align, put_peers,
+                                       recv_capacity))
     if name not in layout:
         raise KeyError(f"ep_region: unknown region {name!r}; expected one of {list(layout)}")
     if workspace.dtype != torch.uint8 or workspace.dim() != 1 or workspace.numel() < total:
@@ -154,7 +162,7 @@ def nvshmem_environment(env: Mapping[str, str], hostnames: Sequence[str],
 
 
 def buffer_config(world: int, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
-                  row_align, num_sms) -> EpConfig:
+                  row_align, num_sms, max_recv_rows=None) -> EpConfig:
     """Checks the sizes of a Buffer (clear errors naming the argument) and returns its layout config,
     without the staging region (whether some rank needs puts is known once NVSHMEM is up)."""
     sizes = dict(max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, intermediate=intermediate,
@@ -174,7 +182,14 @@ def buffer_config(world: int, *, max_tokens_per_rank, hidden, intermediate, num_
     if num_experts % world:
         raise ValueError(f"num_experts: {num_experts} experts cannot be split evenly over the group's "
                          f"{world} ranks (expected a multiple of {world})")
-    config = EpConfig(world, max_tokens_per_rank, hidden, top_k, num_experts // world, row_align, put_peers=False)
+    if max_recv_rows is not None:
+        if isinstance(max_recv_rows, bool) or not isinstance(max_recv_rows, int):
+            raise TypeError(f"max_recv_rows: expected an int or None, got {type(max_recv_rows).__name__}")
+        if max_recv_rows < max_tokens_per_rank * top_k:
+            raise ValueError(f"max_recv_rows: expected at least max_tokens_per_rank * top_k = "
+                             f"{max_tokens_per_rank * top_k} (a rank's own slots), got {max_recv_rows}")
+    config = EpConfig(world, max_tokens_per_rank, hidden, top_k, num_experts // world, row_align, put_peers=False,
+                      recv_capacity=max_recv_rows or 0)
     # recv_meta holds src_rank * max_slots + slot in int32.
     if config.max_recv_rows > _INT32_MAX:
         raise ValueError(f"max_tokens_per_rank: {world} ranks x {max_tokens_per_rank} tokens x top_k {top_k} "
@@ -268,6 +283,13 @@ class Buffer:
     ``overlap_combine`` (with ``overlap``): the combine also runs alongside the GEMM whose rows it sends back
     (FC2; FC1's dgrad in the backward), block by block as that GEMM publishes them. Bitwise equal to the
     default; off until measured on several GPUs (on one it has nothing to hide).
+    ``max_recv_rows``: the most routed rows a rank receives in one dispatch (its experts' slots from every rank;
+    None: the worst case, world x max_tokens_per_rank x top_k; at least max_tokens_per_rank x top_k). The
+    receive region and the layer's row buffers (FC1's and FC2's outputs, the rows kept for the backward, its
+    gradients) are sized like it, so setting it to the expected load times a margin (e.g. 2 x max_tokens_per_rank
+    x top_k) bounds the layer's memory at large EP. A dispatch that would bring a rank more rows sends it none:
+    every rank records the overflow (``primemoe.DeviceError`` at the next primemoe call or ``check_errors``), and
+    that call's results are invalid.
     Set from the peers and ``PRIMEMOE_EP_TRANSPORT`` (attributes, not arguments): ``put_peers``, some
     rank sends by NVSHMEM puts (another node, or ``put``), so the workspace has the staging region;
     ``force_put``, this rank sends to every other by puts.
@@ -275,13 +297,13 @@ class Buffer:
 
     def __init__(self, group, *, max_tokens_per_rank, hidden, intermediate, num_experts, top_k,
                  precision="bf16", row_align=EP_ROW_ALIGN, num_sms=DEFAULT_NUM_SMS, overlap=True,
-                 overlap_combine=False):
+                 overlap_combine=False, max_recv_rows=None):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {type(group).__name__}")
         world = dist.get_world_size(group)
         arguments = dict(max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, intermediate=intermediate,
                          num_experts=num_experts, top_k=top_k, precision=precision, row_align=row_align,
-                         num_sms=num_sms, overlap=overlap, overlap_combine=overlap_combine)
+                         num_sms=num_sms, overlap=overlap, overlap_combine=overlap_combine, max_recv_rows=max_recv_rows)
         try:
             check_precision(precision)
             for name, flag in (("overlap", overlap), ("overlap_combine", overlap_combine)):
@@ -290,7 +312,7 @@ class Buffer:
             transport = ep_transport(os.environ)
             config = buffer_config(world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
                                    intermediate=intermediate, num_experts=num_experts, top_k=top_k,
-                                   row_align=row_align, num_sms=num_sms)
+                                   row_align=row_align, num_sms=num_sms, max_recv_rows=max_recv_rows)
             if precision in FP8_PRECISIONS:
                 check_fp8_buffer(hidden, intermediate, row_align)
             refused = None
@@ -316,6 +338,8 @@ class Buffer:
         self.precision = precision
         self.row_align = row_align
         self.num_sms = num_sms
+        self.max_recv_rows = max_recv_rows
+        self.recv_capacity = config.recv_capacity  # the kernels' EpConfig::recv_capacity (0: the worst case)
         self.overlap = overlap
         self.overlap_combine = overlap and overlap_combine
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -350,7 +374,8 @@ class Buffer:
         # Bumped on the device by every dispatch and never reset: the flags in the workspace compare against it.
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._regions = {name: ep_region(self.workspace, name, world, max_tokens_per_rank, hidden, top_k,
-                                         config.local_experts, row_align, self.put_peers) for name in layout}
+                                         config.local_experts, row_align, self.put_peers, self.recv_capacity)
+                         for name in layout}
         _open_buffers.append(self)
         from .ep import register_buffer
         self.handle = register_buffer(self)  # how the layer's ops name this buffer
@@ -375,7 +400,7 @@ class Buffer:
         self._check_open()
         return lib.ep_dispatch(self.workspace, self.epoch, x, topk_idx, topk_weights, self.rank, self.world,
                                self.max_tokens_per_rank, self.local_experts, self.row_align, self._dispatch_sms, wait,
-                               self.put_peers, self.force_put, copy_rows)
+                               self.put_peers, self.force_put, copy_rows, self.recv_capacity)
 
     def rows_ready(self):
         """The GEMM wait hook for the last dispatch: ``(counters, epoch, per_epoch, rank, tile_counter)``; local
@@ -399,7 +424,7 @@ class Buffer:
         self._check_open()
         lib.ep_combine(self.workspace, self.epoch, rows, row_scalars, expert_offsets, self.rank, self.world,
                        self.max_tokens_per_rank, self.hidden, self.top_k, self.local_experts, self.row_align,
-                       self.num_sms, self.put_peers, self.force_put, published, send, wait)
+                       self.num_sms, self.put_peers, self.force_put, published, send, wait, self.recv_capacity)
 
     def close(self) -> None:
         """Frees the workspace, and NVSHMEM with the last open Buffer (collective). Idempotent."""
@@ -431,5 +456,6 @@ class Buffer:
                 f"max_tokens_per_rank={self.max_tokens_per_rank}, hidden={self.hidden}, "
                 f"intermediate={self.intermediate}, num_experts={self.num_experts} "
                 f"({self.local_experts} local), top_k={self.top_k}, precision={self.precision!r}, "
-                f"row_align={self.row_align}, num_sms={self.num_sms}, overlap={self.overlap}, "
+                f"row_align={self.row_align}, num_sms={self.num_sms}, max_recv_rows={self.max_recv_rows}, "
+                f"overlap={self.overlap}, "
                 f"overlap_combine={self.overlap_combine}; {state})")

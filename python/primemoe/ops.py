@@ -132,7 +132,8 @@ def _expert_wgrad_accumulate_fake(a_rows, b_rows, expert_offsets, expert_rows, m
 
 @torch.library.register_fake("primemoe::ep_dispatch")
 def _ep_dispatch_fake(workspace, epoch, x, topk_idx, topk_weights, rank, world, max_tokens, local_experts,
-                      row_align, num_sms, wait_arrivals=True, put_peers=False, force_put=False, copy_rows=True):
+                      row_align, num_sms, wait_arrivals=True, put_peers=False, force_put=False, copy_rows=True,
+                      recv_capacity=0):
     new = lambda *shape: x.new_empty(shape, dtype=torch.int32)  # noqa: E731
     return new(local_experts), new(local_experts + 1), topk_idx.new_empty(topk_idx.shape, dtype=torch.bool)
 
@@ -140,7 +141,7 @@ def _ep_dispatch_fake(workspace, epoch, x, topk_idx, topk_weights, rank, world, 
 @torch.library.register_fake("primemoe::ep_combine")
 def _ep_combine_fake(workspace, epoch, rows, row_scalars, expert_offsets, rank, world, max_tokens, hidden, top_k,
                      local_experts, row_align, num_sms, put_peers=False, force_put=False, published=False, send=True,
-                     wait=True):
+                     wait=True, recv_capacity=0):
     return None
 
 

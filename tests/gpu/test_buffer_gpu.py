@@ -24,8 +24,8 @@ import torch
 
 import buffer_ranks
 import ep_harness
-from buffer_ranks import (buffer_sizes, dispatch_cases, layer_soak, moe_cases, single_rank_lifecycle, soak,
-                          spawn_ranks)
+from buffer_ranks import (buffer_sizes, capacity_cases, dispatch_cases, layer_soak, moe_cases, single_rank_lifecycle,
+                          soak, spawn_ranks)
 from ep_harness import EP_CASES_BY_WORLD, GPU_PER_RANK, SAME_GPU, ep_id, prepare_spawn, rank_mode
 from helpers import (OUTPUT_NAMES, Outputs, Problem, assert_contract_zeros, assert_moe_outputs_match, make_problem,
                      reference64, run_moe)
@@ -506,6 +506,24 @@ def test_soak_dispatch_combine(tmp_path, monkeypatch):
         assert result["iterations"] == iterations
         steady, final = result["allocated"]
         assert final == steady, f"rank {rank}: allocated memory grew from {steady} to {final} bytes"
+
+
+@pytest.mark.gpu
+@pytest.mark.ep
+@pytest.mark.parametrize("world", WORLDS)
+def test_max_recv_rows(tmp_path, monkeypatch, world):
+    """Buffer(max_recv_rows=): within the capacity, moe gives the default Buffer's results (its row buffers are
+    smaller, the sums the same); a dispatch that would bring rank 0 every slot of every rank records the overflow
+    on every rank (a DeviceError naming rank 0, no hang), and the next call is right again."""
+    sizes = dict(max_tokens_per_rank=128, hidden=256, intermediate=256, num_experts=8, top_k=2)
+    per_rank = run_ranks(tmp_path, monkeypatch, capacity_cases, world, sizes, 3 * 128 * 2 // 2)
+    for rank, results in enumerate(per_rank):
+        assert results["overflow_error"] is not None, f"rank {rank}: no overflow recorded"
+        assert "rank 0 would have received" in results["overflow_error"]
+        for key in ("fits", "again"):
+            for name in OUTPUT_NAMES:
+                got, want = results[key][name].double(), results["default"][name].double()
+                assert (got - want).norm() <= 1e-2 * want.norm() + 1e-6, f"rank {rank} {key}: {name}"
 
 
 @pytest.mark.slow
