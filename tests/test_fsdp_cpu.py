@@ -55,6 +55,9 @@ full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in mod
 if rank == 0:
     torch.save({"ref": torch.stack(ref_losses), "fsdp": loss, "ref_state": ref.state_dict(), "state": full}, out)
 dist.destroy_process_group()
+# No interpreter teardown: a gloo thread destroyed during it can abort the process ("terminate called without an
+# active exception"), after the results are written.
+sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
 '''
 
 
