@@ -637,3 +637,4 @@ def test_fp8_reference_matches_naive_loop(pow2):
         # rounding once in a long while (bitwise equal on this problem today).
         assert rel_err(g, w) <= 1e-6, f"{name}: {rel_err(g, w):.3e}"
         assert (g == w).float().mean() >= 0.999, f"{name}: {(g != w).sum()} of {g.numel()} values differ"
+

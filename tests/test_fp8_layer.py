@@ -488,3 +488,31 @@ def test_fp8_gemm_fakes(out_fp32):
                                   out_fp32)
     assert out.shape == (o["a_q"].shape[0], 128) and dw.shape == (3, 256, 128)
     assert out.dtype == dw.dtype == (torch.float32 if out_fp32 else torch.bfloat16)
+
+
+def test_fp8_wgrad_accumulate_adds_the_fp32_gradient():
+    """fp8_expert_wgrad_accumulate: main_grad += fp8_expert_wgrad(..., out_fp32=True), checked and faked."""
+    from primemoe import layer
+
+    gen = torch.Generator().manual_seed(3)
+    offsets = torch.tensor([0, 128, 128, 384], dtype=torch.int32)
+    rows = torch.randn(384, 128, generator=gen).bfloat16()
+    cols = torch.randn(384, 256, generator=gen).bfloat16()
+    a_t, a_s = torch.ops.primemoe.quantize_fp8_128x1(rows, True, True, offsets)
+    b_t, b_s = torch.ops.primemoe.quantize_fp8_128x1(cols, True, True, offsets)
+    counts = torch.tensor([100, 0, 256], dtype=torch.int32)
+    want = torch.ops.primemoe.fp8_expert_wgrad(a_t, a_s, b_t, b_s, offsets, counts, True)
+    start = torch.randn(want.shape, generator=gen)
+    main_grad = start.clone()
+    torch.ops.primemoe.fp8_expert_wgrad_accumulate(a_t, a_s, b_t, b_s, offsets, counts, main_grad)
+    assert torch.equal(main_grad, start + want)
+    torch.library.opcheck(torch.ops.primemoe.fp8_expert_wgrad_accumulate,
+                          (a_t, a_s, b_t, b_s, offsets, counts, start.clone()), test_utils=OPCHECK_UTILS)
+    with pytest.raises(RuntimeError, match="main_grad: expected float32"):
+        torch.ops.primemoe.fp8_expert_wgrad_accumulate(a_t, a_s, b_t, b_s, offsets, counts, start.bfloat16())
+    # The layer's helper: None after accumulating, else the gradient in the weight's dtype.
+    w = torch.zeros(want.shape, dtype=torch.bfloat16)
+    assert torch.equal(layer._fp8_wgrad(a_t, a_s, b_t, b_s, offsets, counts, w, None), want.bfloat16())
+    again = start.clone()
+    assert layer._fp8_wgrad(a_t, a_s, b_t, b_s, offsets, counts, w, again) is None
+    assert torch.equal(again, start + want)

@@ -1,5 +1,5 @@
-// The blockwise FP8 expert GEMMs: fp8_expert_gemm (FC1, FC2, both dgrads) and fp8_expert_wgrad (both weight
-// gradients). Each CUDA impl is checks, then Fp8GemmArgs, then the launcher (gemm/fp8_gemm.cuh). The CPU kernels
+// The blockwise FP8 expert GEMMs: fp8_expert_gemm (FC1, FC2, both dgrads) and fp8_expert_wgrad(_accumulate) (both
+// weight gradients). Each CUDA impl is checks, then Fp8GemmArgs, then the launcher (gemm/fp8_gemm.cuh). The CPU kernels
 // are python/primemoe/_fp8_ops.py.
 
 #include <optional>
@@ -139,6 +139,47 @@ Tensor fp8_expert_wgrad_cuda(const Tensor& a_t, const Tensor& a_scale, const Ten
   return out;
 }
 
+// main_grad[e] += the fp32 weight gradient of expert e (gradient-accumulation fusion), from the GEMM's registers.
+void check_fp8_wgrad_accumulate_args(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t,
+                                     const Tensor& b_scale, const Tensor& offsets,
+                                     const std::optional<Tensor>& expert_rows, const Tensor& main_grad) {
+  check_fp8_wgrad_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows);
+  PRIMEMOE_CHECK(main_grad.scalar_type() == ScalarType::Float, "main_grad: expected float32, got ",
+                 main_grad.scalar_type());
+  PRIMEMOE_CHECK(main_grad.dim() == 3 && main_grad.size(0) == offsets.numel() - 1 && main_grad.size(1) == a_t.size(0) &&
+                     main_grad.size(2) == b_t.size(0),
+                 "main_grad: expected [", offsets.numel() - 1, ", ", a_t.size(0), ", ", b_t.size(0), "], got ",
+                 main_grad.sizes());
+  PRIMEMOE_CHECK(main_grad.is_contiguous(), "main_grad: expected a contiguous tensor");
+  check_same_device(main_grad, a_t, "main_grad");
+  check_aligned(main_grad, "main_grad");
+}
+
+void fp8_expert_wgrad_accumulate_cuda(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t,
+                                      const Tensor& b_scale, const Tensor& offsets,
+                                      const std::optional<Tensor>& expert_rows, Tensor& main_grad) {
+  check_fp8_wgrad_accumulate_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows, main_grad);
+  if (a_t.size(1) == 0) return;  // adds nothing
+  const DeviceGuard guard(a_t.get_device_index());
+  Fp8GemmArgs g{};
+  g.schedule = Fp8Schedule::kExperts;
+  g.a = a_t.data_ptr();
+  g.a_scale = data_of<float>(a_scale);
+  g.b = b_t.data_ptr();
+  g.b_scale = data_of<float>(b_scale);
+  g.num_rows = a_t.size(1);
+  g.m = static_cast<int32_t>(a_t.size(0));
+  g.n = static_cast<int32_t>(b_t.size(0));
+  g.num_experts = static_cast<int32_t>(offsets.numel() - 1);
+  g.expert_offsets = data_of<int32_t>(offsets);
+  g.expert_rows = expert_rows.has_value() ? data_of<int32_t>(*expert_rows) : nullptr;
+  g.out = main_grad.data_ptr();
+  g.out_fp32 = true;
+  g.accumulate = true;
+  g.num_sms = gemm_sms(a_t.get_device_index());
+  run_fp8_gemm(g, a_t, "fp8_expert_wgrad_accumulate");
+}
+
 // The checks the CPU kernels (python/primemoe/_fp8_ops.py) run through _check_args.
 const ArgCheckRegistration fp8_gemm_check("fp8_expert_gemm", 6, 1, [](const OpArgs& a) {
   check_fp8_gemm_args(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4), a.optional(5));
@@ -146,12 +187,17 @@ const ArgCheckRegistration fp8_gemm_check("fp8_expert_gemm", 6, 1, [](const OpAr
 const ArgCheckRegistration fp8_wgrad_check("fp8_expert_wgrad", 6, 1, [](const OpArgs& a) {
   check_fp8_wgrad_args(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4), a.optional(5));
 });
+const ArgCheckRegistration fp8_wgrad_accumulate_check("fp8_expert_wgrad_accumulate", 7, 0, [](const OpArgs& a) {
+  check_fp8_wgrad_accumulate_args(a.tensor(0), a.tensor(1), a.tensor(2), a.tensor(3), a.tensor(4), a.optional(5),
+                                  a.tensor(6));
+});
 
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(primemoe, CUDA, m) {
   m.impl("fp8_expert_gemm", TORCH_BOX(&fp8_expert_gemm_cuda));
   m.impl("fp8_expert_wgrad", TORCH_BOX(&fp8_expert_wgrad_cuda));
+  m.impl("fp8_expert_wgrad_accumulate", TORCH_BOX(&fp8_expert_wgrad_accumulate_cuda));
 }
 
 }  // namespace primemoe

@@ -138,6 +138,10 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   m.def(
       "fp8_expert_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, Tensor expert_offsets, "
       "Tensor? expert_rows=None, bool out_fp32=True) -> Tensor");
+  // main_grad [E, M, N] fp32 += what fp8_expert_wgrad returns in fp32 (gradient-accumulation fusion).
+  m.def(
+      "fp8_expert_wgrad_accumulate(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, Tensor expert_offsets, "
+      "Tensor? expert_rows, Tensor(a!) main_grad) -> ()");
 
   // ---------------------------------------------------------------- argument checks (common.cpp)
   // The argument check of `op`'s CUDA impl, run by its CPU kernel (python/primemoe/_cpu.py): the op's tensor

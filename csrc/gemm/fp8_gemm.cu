@@ -75,6 +75,7 @@ bool fp8_gemm_supported(const Fp8GemmArgs& a, int device, const char** why) {
 }
 
 cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
+  if (a.accumulate && (a.schedule != Fp8Schedule::kExperts || !a.out_fp32)) return cudaErrorInvalidValue;
   sm90::Fp8Params params{};
   params.args = a;
   const uint64_t rows = uint64_t(a.num_rows);

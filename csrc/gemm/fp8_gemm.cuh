@@ -44,6 +44,7 @@ struct Fp8GemmArgs {
   const float* row_weight;        // kRows, optional: [num_rows]
   void* out;                      // kRows [num_rows, n]; kExperts [E, m, n]
   bool out_fp32;                  // else bf16
+  bool accumulate;                // kExperts + out_fp32: out += the result (a weight's fp32 main gradient)
   int32_t num_sms;
 };
 

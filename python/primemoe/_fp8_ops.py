@@ -20,7 +20,7 @@ from .fp8 import BLOCK
 
 lib = torch.ops.primemoe
 
-__all__ = ["fp8_expert_gemm", "fp8_expert_wgrad"]
+__all__ = ["fp8_expert_gemm", "fp8_expert_wgrad", "fp8_expert_wgrad_accumulate"]
 
 
 def _check(op, tensors, ints=()):
@@ -85,6 +85,18 @@ def fp8_expert_gemm(a, a_scale, b, b_scale, expert_offsets, row_weight=None, out
         _, end = _row_range(0, offsets[-1], rows)
         out[:end] *= row_weight[:end].to(torch.float32).unsqueeze(1)
     return out if out_fp32 else out.to(torch.bfloat16)
+
+
+@torch.library.register_fake("primemoe::fp8_expert_wgrad_accumulate")
+def _fp8_expert_wgrad_accumulate_fake(a_t, a_scale, b_t, b_scale, expert_offsets, expert_rows, main_grad):
+    return None
+
+
+@torch.library.impl("primemoe::fp8_expert_wgrad_accumulate", "cpu")
+def fp8_expert_wgrad_accumulate(a_t, a_scale, b_t, b_scale, expert_offsets, expert_rows, main_grad):
+    """``main_grad += fp8_expert_wgrad(..., out_fp32=True)``."""
+    _check("fp8_expert_wgrad_accumulate", [a_t, a_scale, b_t, b_scale, expert_offsets, expert_rows, main_grad])
+    main_grad += torch.ops.primemoe.fp8_expert_wgrad(a_t, a_scale, b_t, b_scale, expert_offsets, expert_rows, True)
 
 
 @torch.library.impl("primemoe::fp8_expert_wgrad", "cpu")

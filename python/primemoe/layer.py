@@ -320,8 +320,7 @@ def fp8_expert_backward(operands, row_weight, w1, w2, offsets, counts, main_grad
     """``(dxs, dw1, dw2, dtw_rows)`` as ``expert_backward`` defines them (``dw`` in the weights' dtypes), on the FP8
     recipe (spec steps 7-12), given ``operands`` = ``[xs, h, dy_rows]`` with the bf16 pre-activations ``h`` (kept or
     recomputed by the caller), emptied and dropped after their last uses as ``expert_backward``'s; ``main_grads`` as
-    there (added from the GEMM's fp32 result by a separate pass: the FP8 weight gradient has no accumulating
-    epilogue yet)."""
+    there."""
     xs, h, dy_rows = operands
     operands.clear()
     w1q, w2q = fp8_weights(w1), fp8_weights(w2)
@@ -338,21 +337,23 @@ def fp8_expert_backward(operands, row_weight, w1, w2, offsets, counts, main_grad
     dy_t, dy_t_scale = lib.quantize_fp8_128x1(_tile_rows(dy_rows), True, True, offsets)
     aw_t, aw_t_scale = lib.quantize_fp8_128x1(_tile_rows(aw), True, True, offsets)
     del dy_rows, aw
-    # Rounded to bf16 weights' gradients by the GEMM (fp32 for other weights): no fp32 copy of a weight's size.
-    dw2 = lib.fp8_expert_wgrad(dy_t, dy_t_scale, aw_t, aw_t_scale, offsets, counts,
-                               w2.dtype != torch.bfloat16 or main_grads[1] is not None)  # [E, H, I]
-    dw2 = _into_main_grads((dw2,), main_grads[1:])[0]
-    dw2 = None if dw2 is None else dw2.to(w2.dtype)
+    dw2 = _fp8_wgrad(dy_t, dy_t_scale, aw_t, aw_t_scale, offsets, counts, w2, main_grads[1])  # [E, H, I]
     del dy_t, dy_t_scale, aw_t, aw_t_scale
     dh_t, dh_t_scale = lib.quantize_fp8_128x1(_tile_rows(dh), True, True, offsets)
     del dh
     xs_t, xs_t_scale = lib.quantize_fp8_128x1(_tile_rows(xs), True, True, offsets)
     del xs
-    dw1 = lib.fp8_expert_wgrad(dh_t, dh_t_scale, xs_t, xs_t_scale, offsets, counts,
-                               w1.dtype != torch.bfloat16 or main_grads[0] is not None)  # [E, 2I, H]
-    dw1 = _into_main_grads((dw1,), main_grads[:1])[0]
-    dw1 = None if dw1 is None else dw1.to(w1.dtype)
+    dw1 = _fp8_wgrad(dh_t, dh_t_scale, xs_t, xs_t_scale, offsets, counts, w1, main_grads[0])  # [E, 2I, H]
     return dxs, dw1, dw2, dot
+
+
+def _fp8_wgrad(a_t, a_scale, b_t, b_scale, offsets, counts, w, main_grad):
+    """The FP8 weight gradient in ``w``'s dtype (rounded to bf16 by the GEMM for bf16 weights: no fp32 copy of a
+    weight's size), or None after the GEMM added it in fp32 into ``main_grad``."""
+    if main_grad is not None:
+        lib.fp8_expert_wgrad_accumulate(a_t, a_scale, b_t, b_scale, offsets, counts, main_grad)
+        return None
+    return lib.fp8_expert_wgrad(a_t, a_scale, b_t, b_scale, offsets, counts, w.dtype != torch.bfloat16).to(w.dtype)
 
 
 def _check_fp8_layout(transport) -> None:

@@ -333,7 +333,13 @@ __device__ __forceinline__ void fp8_consumers(const Fp8Params& p, Fp8Smem& smem)
       const float v0 = acc(i) * row_weight[h];
       const float v1 = acc(i + 1) * row_weight[h];
       if (args.out_fp32) {
-        *reinterpret_cast<float2*>(static_cast<float*>(args.out) + at) = make_float2(v0, v1);
+        float2* to = reinterpret_cast<float2*>(static_cast<float*>(args.out) + at);
+        if (args.accumulate) {  // one CTA owns the tile: a plain read-add-write, deterministic
+          const float2 was = *to;
+          *to = make_float2(was.x + v0, was.y + v1);
+        } else {
+          *to = make_float2(v0, v1);
+        }
       } else {
         *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(args.out) + at) = __floats2bfloat162_rn(v0, v1);
       }
