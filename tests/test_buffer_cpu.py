@@ -391,3 +391,21 @@ def test_buffer_arguments_are_agreed_on_every_rank(tmp_path, case, pattern):
     else:
         for line in lines:
             assert re.match(pattern, line), lines
+
+
+def test_nvshmem_started_by_another_library_is_refused(group, no_nvshmem, monkeypatch):
+    """NVSHMEM already up in the process without a Buffer (torch's symmetric memory on its NVSHMEM backend): a
+    clear error before any bootstrap, agreed on by every rank of the group."""
+    class Ops:
+        def __getattr__(self, name):
+            return getattr(torch.ops.primemoe, name)
+
+        @staticmethod
+        def _nvshmem_initialized():
+            return True
+
+    monkeypatch.setattr(buffer_module, "lib", Ops())
+    with pytest.raises(RuntimeError, match="NVSHMEM is already initialised in this process by another library"):
+        primemoe.Buffer(group, **GOOD_SIZES)
+    monkeypatch.undo()
+    assert torch.ops.primemoe._nvshmem_initialized() is False

@@ -10,16 +10,16 @@ import torch
 import primemoe
 
 # The documented surface of torch.ops.primemoe.
-OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine_reduce", "slot_dot", "gather_scalars",
-       "copy_routed_rows", "zero_unrouted_rows", "fc1_swiglu", "expert_gemm", "fc2_dgrad_swiglu", "expert_wgrad",
-       "expert_wgrad_accumulate", "expert_gemm_unsupported", "ep_dispatch", "ep_combine", "quantize_fp8_1x128", "quantize_fp8_128x1",
-       "quantize_fp8_128x128", "fp8_swiglu_quant", "fp8_swiglu_backward", "fp8_expert_gemm", "fp8_expert_wgrad",
-       "fp8_expert_wgrad_accumulate")
+OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine_reduce", "slot_dot",
+       "gather_scalars", "copy_routed_rows", "zero_unrouted_rows", "fc1_swiglu", "expert_gemm", "fc2_dgrad_swiglu",
+       "expert_wgrad", "expert_wgrad_accumulate", "expert_gemm_unsupported", "ep_dispatch", "ep_combine",
+       "quantize_fp8_1x128", "quantize_fp8_128x1", "quantize_fp8_128x128", "fp8_swiglu_quant", "fp8_swiglu_backward",
+       "fp8_expert_gemm", "fp8_expert_wgrad", "fp8_expert_wgrad_accumulate")
 # Called by the Python package (and tests) only: a leading underscore, not documented.
 INTERNAL_OPS = ("_ep_moe_forward", "_ep_moe_backward", "_layout_max_rows", "_constant", "_gemm_force_config",
-                "_nvshmem_unique_id", "_nvshmem_init", "_nvshmem_finalize", "_nvshmem_peers_need_put",
-                "_ep_workspace_layout", "_ep_workspace_alloc", "_ep_workspace_free", "_take_error", "_describe_error",
-                "_check_args", "_set_num_sms", "_num_sms_budget")
+                "_nvshmem_unique_id", "_nvshmem_init", "_nvshmem_finalize", "_nvshmem_initialized",
+                "_nvshmem_peers_need_put", "_ep_workspace_layout", "_ep_workspace_alloc", "_ep_workspace_free",
+                "_take_error", "_describe_error", "_check_args", "_set_num_sms", "_num_sms_budget")
 SETUP_PY = Path(__file__).resolve().parents[1] / "setup.py"
 
 

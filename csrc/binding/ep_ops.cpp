@@ -35,6 +35,8 @@ void nvshmem_init_op(const Tensor& unique_id, int64_t rank, int64_t world) {
                  " (NVSHMEM_DEBUG=INFO shows why; without InfiniBand set NVSHMEM_REMOTE_TRANSPORT=none)");
 }
 
+bool nvshmem_initialized_op() { return nvshmem_is_initialized(); }
+
 void nvshmem_finalize_op() {
   if (nvshmem_is_initialized()) nvshmem_shutdown();
 }
@@ -231,6 +233,7 @@ STABLE_TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
   m.impl("_nvshmem_unique_id", TORCH_BOX(&nvshmem_unique_id_op));
   m.impl("_nvshmem_init", TORCH_BOX(&nvshmem_init_op));
   m.impl("_nvshmem_finalize", TORCH_BOX(&nvshmem_finalize_op));
+  m.impl("_nvshmem_initialized", TORCH_BOX(&nvshmem_initialized_op));
   m.impl("_nvshmem_peers_need_put", TORCH_BOX(&nvshmem_peers_need_put_op));
   m.impl("_ep_workspace_layout", TORCH_BOX(&ep_workspace_layout_op));
   m.impl("_ep_workspace_alloc", TORCH_BOX(&ep_workspace_alloc_op));

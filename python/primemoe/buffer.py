@@ -241,6 +241,19 @@ def _check_agreed(group, arguments: Dict[str, object], refused: Optional[BaseExc
                              f"rank must create the Buffer with the same arguments")
 
 
+def _nvshmem_started_elsewhere() -> Optional[RuntimeError]:
+    """The error for NVSHMEM already running in this process without a primemoe.Buffer (another library started
+    it, e.g. torch's symmetric memory on its NVSHMEM backend), else None. Checked on every rank before the
+    bootstrap and agreed on, so no rank is left waiting in it."""
+    if _open_buffers or not lib._nvshmem_initialized():
+        return None
+    return RuntimeError(
+        "primemoe.Buffer: NVSHMEM is already initialised in this process by another library (e.g. torch's symmetric "
+        "memory with its NVSHMEM backend); a Buffer bootstraps NVSHMEM over its own group and cannot share an "
+        "instance it did not start: in a process that holds Buffers, use torch's symmetric memory on another "
+        "backend")
+
+
 def _start_nvshmem(group, rank: int, world: int, device: int, config: EpConfig, force_put: bool) -> None:
     global _bootstrap
     hostnames: List[Optional[str]] = [None] * world
@@ -315,7 +328,7 @@ class Buffer:
                                    row_align=row_align, num_sms=num_sms, max_recv_rows=max_recv_rows)
             if precision in FP8_PRECISIONS:
                 check_fp8_buffer(hidden, intermediate, row_align)
-            refused = None
+            refused = _nvshmem_started_elsewhere()
         except (TypeError, ValueError, NotImplementedError) as exc:
             transport, refused = None, exc
         # Collective, before CUDA and NVSHMEM: a rank whose arguments are refused, or that differ between ranks,
