@@ -54,6 +54,19 @@ def test_tiny_cpu_run_matches_hf(capsys, tmp_path, monkeypatch):
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+def test_main_grad_run_has_the_same_losses(capsys, tmp_path, monkeypatch):
+    """--main-grad: the experts' gradients go through fp32 main_grad (nn.MoE.attach_main_grads) and the optimizer
+    takes them from there: on fp32 parameters the same gradients, hence the same losses step for step."""
+    monkeypatch.setattr(train, "_load_tqdm", lambda: None)
+    steps = ("--device", "cpu", "--steps", "6", "--no-compare")
+    code, out, plain = _run(capsys, tmp_path / "plain", *steps)
+    assert code == 0, out
+    code, out, fused = _run(capsys, tmp_path / "main_grad", *steps, "--main-grad")
+    assert code == 0, out
+    assert fused["main_grad"] is True and plain["main_grad"] is False
+    assert fused["loss_primemoe"] == plain["loss_primemoe"]
+
+
 def test_swapped_model_has_no_hf_moe_blocks_and_same_start():
     config = train.make_config(layers=2, hidden=256, intermediate=256, experts=8, top_k=2, vocab=512, seq=16)
     ours, hf = train.build_models(config, device="cpu", dtype=torch.float32)

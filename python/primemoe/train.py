@@ -199,12 +199,15 @@ class _Progress:
             self.bar.close()
 
 
-def _train_step(model, optimizer, tokens, device):
+def _train_step(model, optimizer, tokens, device, main_grad_params=()):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
+    for param in main_grad_params:  # what a framework's optimizer takes from the fp32 main gradients
+        param.grad = param.main_grad.to(param.dtype, copy=True)
+        param.main_grad.zero_()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     value = loss.item()  # syncs the device
@@ -264,6 +267,9 @@ def _parse(argv):
                    help="parameter dtype (auto: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--precision", choices=("bf16", "fp8", "fp8_bwd"), default="bf16",
                    help="primemoe's precision mode (fp8: FP8 forward and backward; fp8_bwd: FP8 backward)")
+    p.add_argument("--main-grad", action="store_true",
+                   help="the experts' weight gradients accumulate into fp32 main_grad (gradient-accumulation "
+                        "fusion, nn.MoE.attach_main_grads), which the optimizer step then takes")
     p.add_argument("--out", default="train_out", help="directory for loss.png and losses.json")
     p.add_argument("--tiny", action="store_true", help="the CPU-sized model (the default without a GPU)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
@@ -312,6 +318,12 @@ def main(argv=None) -> int:
         print(line)
 
     batches = synthetic_batches(sizes["vocab"], sizes["batch"], sizes["seq"], seed=args.seed + 1, device=device)
+    main_grad_params = []
+    if args.main_grad:
+        for module in ours.modules():
+            if isinstance(module, primemoe.nn.MoE):
+                module.attach_main_grads()
+                main_grad_params += [module.w1, module.w2]
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=args.lr)
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=args.lr) if hf is not None else None
     losses_ours, losses_hf, times_ours, times_hf = [], [], [], []
@@ -319,7 +331,7 @@ def main(argv=None) -> int:
     try:
         for step in range(1, sizes["steps"] + 1):
             tokens = next(batches)
-            loss, seconds = _train_step(ours, opt_ours, tokens, device)
+            loss, seconds = _train_step(ours, opt_ours, tokens, device, main_grad_params)
             losses_ours.append(loss)
             times_ours.append(seconds)
             shown = {"loss": f"{loss:.4f}"}
@@ -344,7 +356,8 @@ def main(argv=None) -> int:
     print(f"loss: step 1 {losses_ours[0]:.4f} -> step {len(losses_ours)} {losses_ours[-1]:.4f} (primemoe)")
     print(f"throughput: primemoe {tput_ours:,.0f} tokens/s", end="")
     result = dict(device=str(device), dtype=str(dtype), precision=args.precision, sizes=sizes, lr=args.lr,
-                  seed=args.seed, skipped=skipped, loss_primemoe=losses_ours, tokens_per_s_primemoe=tput_ours)
+                  seed=args.seed, skipped=skipped, main_grad=args.main_grad, loss_primemoe=losses_ours,
+                  tokens_per_s_primemoe=tput_ours)
     if hf is not None:
         tput_hf = _throughput(times_hf, tokens_per_step)
         print(f", HF {tput_hf:,.0f} tokens/s ({tput_ours / tput_hf:.2f}x)")
