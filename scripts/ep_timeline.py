@@ -1,7 +1,8 @@
-"""Per-kernel timeline of one forward+backward of primemoe.moe on this GPU: the local path and the Buffer path (EP = 1,
-a Buffer of one rank) sequential, overlapped, and with the combines overlapped too, from torch.profiler's CUDA
-activities. Shows where the Buffer path's time goes, whether FC1 really runs alongside the dispatch (its start before
-the dispatch's end), and the fraction of the sequential run's communication time each overlap hides.
+"""Per-kernel timeline of one forward+backward of primemoe.moe, from torch.profiler's CUDA activities. EP = 1: the local
+path and the Buffer path over a Buffer of one rank (which moves nothing between GPUs and so overlaps nothing), and
+what the Buffer path costs over the local one. EP = W (torchrun): the Buffer path sequential, overlapped, and with the
+combines overlapped too; whether FC1 really runs alongside the dispatch (its start before the dispatch's end), and
+the fraction of the sequential run's communication time each overlap hides.
 
     python scripts/ep_timeline.py [--shapes qwen3-30b-a3b ...] [--tokens 16384] [--out timeline.json]
     torchrun --nproc-per-node W scripts/ep_timeline.py ...    # EP = W: every rank's timeline (no local path)
@@ -121,12 +122,13 @@ def main():
     for shape in args.shapes:
         hidden, inter, experts, top_k = MODEL_SHAPES[shape].dims
         inp = make_inputs(shape, args.tokens, rank, world, device, 0)
+        variants = ((("buffer", {}),) if world == 1 else
+                    (("buffer overlap", dict(overlap=True)), ("buffer sequential", dict(overlap=False)),
+                     ("buffer overlap_combine", dict(overlap=True, overlap_combine=True))))
         paths = {"local": None} if world == 1 else {}
-        for name, options in (("overlap", dict(overlap=True)), ("sequential", dict(overlap=False)),
-                              ("overlap_combine", dict(overlap=True, overlap_combine=True))):
-            paths[f"buffer {name}"] = primemoe.Buffer(
-                group, max_tokens_per_rank=args.tokens, hidden=hidden, intermediate=inter, num_experts=experts,
-                top_k=top_k, **options)
+        for name, options in variants:
+            paths[name] = primemoe.Buffer(group, max_tokens_per_rank=args.tokens, hidden=hidden, intermediate=inter,
+                                          num_experts=experts, top_k=top_k, **options)
         for path, buffer in paths.items():
             rows = timeline(Moe(inp, buffer), inp.dy)
             results[f"{shape} {path}"] = rows
@@ -135,18 +137,20 @@ def main():
             for start, end, stream, name in rows:
                 if end - start >= 2:
                     say(f"{start:9.0f} {end:9.0f} {end - start:8.0f}  s{stream:<3} {name}")
-        sequential = results[f"{shape} buffer sequential"]
-        summary = (f"{shape} T={args.tokens} EP={world} rank {rank}: sequential communication "
-                   f"{communication_us(sequential):.0f} us; hidden by "
-                   + ", ".join(f"{name} {hidden_fraction(sequential, results[f'{shape} buffer {name}']):.0%}"
-                               for name in ("overlap", "overlap_combine")))
-        if world > 1:
+        if world == 1:
+            local, buffer = results[f"{shape} local"], results[f"{shape} buffer"]
+            say(f"\n{shape} T={args.tokens} EP=1: the Buffer path {buffer[-1][1] - local[-1][1]:+.0f} us over the local "
+                f"path ({buffer[-1][1] / local[-1][1] - 1:+.1%}); one rank overlaps nothing")
+        else:
+            sequential = results[f"{shape} buffer sequential"]
+            summary = (f"{shape} T={args.tokens} EP={world} rank {rank}: sequential communication "
+                       f"{communication_us(sequential):.0f} us; hidden by "
+                       + ", ".join(f"{name} {hidden_fraction(sequential, results[f'{shape} buffer {name}']):.0%}"
+                                   for name in ("overlap", "overlap_combine")))
             gathered = [None] * world
             dist.all_gather_object(gathered, summary)
             for line in gathered:
                 say(line)
-        else:
-            say("\n" + summary)
         for buffer in paths.values():
             if buffer is not None:
                 buffer.close()

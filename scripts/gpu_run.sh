@@ -18,8 +18,8 @@
 # bench     the layer benchmark, EP = 1 and 2 (EP = 2 is reported skipped on one GPU); BENCH_ARGS replaces its
 #           arguments, e.g. BENCH_ARGS="--shapes qwen3-235b-a22b --tokens 8192 --ep 1"
 # stages    per-stage times of the single-GPU layer (scripts/stage_times.py; STAGES_ARGS adds options)
-# timeline  per-kernel timeline of one forward+backward, the single-GPU layer against the Buffer path at EP = 1 with
-#           the overlap on and off (scripts/ep_timeline.py; TIMELINE_ARGS adds options) -> timeline.txt
+# timeline  per-kernel timeline of one forward+backward, the single-GPU layer against the Buffer path over a Buffer of
+#           one rank (scripts/ep_timeline.py; TIMELINE_ARGS adds options) -> timeline.txt
 # ncu       Nsight Compute sections of the engine's forward GEMMs (scripts/ncu_engine.py; NCU_ARGS adds options,
 #           e.g. NCU_ARGS="--shape qwen3-235b-a22b --tokens 8192", or --dgrad)
 # comm      the dispatch/combine benchmark at EP = 2; commprof: their region and kernel times on every GPU
