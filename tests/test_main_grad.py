@@ -27,19 +27,20 @@ def _plain_grads(problem, precision="bf16"):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_bwd"])
 def test_main_grads_take_the_weight_gradients(precision):
-    """Two backwards add up in main_grad (started non-zero), .grad of w1 / w2 stays None, x and topk_weights get
-    theirs as before; grad_added_to_main_grad is set where the weight has it."""
+    """Two backwards add up in main_grad (started non-zero), w2 (a plain main_grad) gets no .grad, w1 (with
+    Megatron's grad_added_to_main_grad and zero_out_wgrad) a zero placeholder and the flag set; x and topk_weights
+    get theirs as before."""
     H, I, E, K = (128, 128, 4, 2) if precision != "bf16" else SHAPE
     problem = make_problem(37, H, I, E, K, routing="masked", seed=3)
     y0, dx0, dtw0, dw1, dw2 = _plain_grads(problem, precision)
     x, tw, w1, w2 = _leaves(problem)
     start = [torch.randn(w.shape) for w in (w1, w2)]
     w1.main_grad, w2.main_grad = (s.clone() for s in start)
-    w1.grad_added_to_main_grad = False
+    w1.grad_added_to_main_grad, w1.zero_out_wgrad = False, True
     for _ in range(2):
         y = primemoe.moe(x, problem.topk_idx, tw, w1, w2, precision=precision)
         y.backward(problem.dy)
-    assert w1.grad is None and w2.grad is None
+    assert w2.grad is None and w1.grad is not None and not w1.grad.any()
     assert w1.grad_added_to_main_grad is True and not hasattr(w2, "grad_added_to_main_grad")
     assert torch.equal(y.detach(), y0)
     torch.testing.assert_close(x.grad, 2 * dx0)

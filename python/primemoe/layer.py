@@ -200,8 +200,11 @@ def expert_backward(operands, row_weight, w1, w2, offsets, counts, engine, rows_
 class MainGrads:
     """The fp32 main gradients of ``w1`` and ``w2`` (Megatron's ``param.main_grad``, gradient-accumulation fusion)
     seen at the forward, for its backward: a weight with one has its gradient added into it (by the
-    weight-gradient GEMM, in fp32) and gets no ``.grad``; its ``grad_added_to_main_grad``, where it has that
-    attribute, is set True. Under torch.compile the traced weights carry no ``main_grad``: plain gradients."""
+    weight-gradient GEMM, in fp32) and gets no gradient from autograd, except, as Megatron's layers do, a weight
+    with a ``grad_added_to_main_grad`` attribute: that is set True and the weight gets a placeholder gradient of
+    its shape (zeros where ``zero_out_wgrad`` is set, else uninitialised), so that its backward hooks (a
+    data-parallel wrapper's) still fire. Under torch.compile the traced weights carry no ``main_grad``: plain
+    gradients."""
 
     __slots__ = ("tensors", "_flagged")
 
@@ -217,13 +220,16 @@ class MainGrads:
         return cls(tensors, flagged)
 
     def weight_grads(self, dw1, dw2):
-        """What the backward returns for ``w1`` / ``w2``: None where the gradient went into a main gradient."""
+        """What the backward returns for ``w1`` / ``w2``: where the gradient went into a main gradient, None, or
+        Megatron's placeholder for a weight with ``grad_added_to_main_grad``."""
         out = []
         for dw, main_grad, weight in zip((dw1, dw2), self.tensors, self._flagged):
             if main_grad is not None:
                 dw = None
                 if weight is not None:
                     weight.grad_added_to_main_grad = True
+                    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+                    dw = make(weight.shape, dtype=weight.dtype, device=weight.device)
             out.append(dw)
         return out
 
