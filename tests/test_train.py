@@ -109,3 +109,17 @@ def test_gpu_run_matches_hf(capsys, tmp_path):
     assert "not exercised" not in out and "torch._grouped_mm" not in out  # the engine ran
     _check_parity(result, GPU_STEPS, GPU_TOL)
     assert (tmp_path / "loss.png").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_main_grad_run_has_the_same_losses(capsys, tmp_path):
+    """On the GPU (bf16 weights): the accumulating weight-gradient GEMMs' fp32 sums, rounded by the optimizer's
+    copy, are the plain GEMMs' bf16 gradients bit for bit, so the losses match step for step (up to the rest of the
+    model's run-to-run noise: its CUDA kernels are not all deterministic)."""
+    steps = ("--device", "cuda", "--steps", "5", "--no-compare")
+    code, out, plain = _run(capsys, tmp_path / "plain", *steps)
+    assert code == 0, out
+    code, out, fused = _run(capsys, tmp_path / "main_grad", *steps, "--main-grad")
+    assert code == 0, out
+    worst = max(abs(a - b) for a, b in zip(fused["loss_primemoe"], plain["loss_primemoe"]))
+    assert worst <= 1e-3, (fused["loss_primemoe"], plain["loss_primemoe"])
