@@ -409,3 +409,10 @@ def test_nvshmem_started_by_another_library_is_refused(group, no_nvshmem, monkey
         primemoe.Buffer(group, **GOOD_SIZES)
     monkeypatch.undo()
     assert torch.ops.primemoe._nvshmem_initialized() is False
+
+
+def test_preloading_the_kernels_is_best_effort():
+    """The Buffer loads its layer's kernels at creation (lazy loading would load each at its first launch, which
+    waits for the kernels running then); where a kernel cannot load (here: no GPU) nothing is raised."""
+    torch.ops.primemoe._preload_kernels()
+    torch.ops.primemoe._preload_kernels()

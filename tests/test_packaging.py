@@ -19,7 +19,8 @@ OPS = ("moe_forward", "moe_backward", "dispatch_layout", "gather_rows", "combine
 INTERNAL_OPS = ("_ep_moe_forward", "_ep_moe_backward", "_layout_max_rows", "_constant", "_gemm_force_config",
                 "_nvshmem_unique_id", "_nvshmem_init", "_nvshmem_finalize", "_nvshmem_initialized",
                 "_nvshmem_peers_need_put", "_ep_workspace_layout", "_ep_workspace_alloc", "_ep_workspace_free",
-                "_take_error", "_describe_error", "_check_args", "_set_num_sms", "_num_sms_budget")
+                "_take_error", "_describe_error", "_check_args", "_set_num_sms", "_num_sms_budget",
+                "_preload_kernels")
 SETUP_PY = Path(__file__).resolve().parents[1] / "setup.py"
 
 

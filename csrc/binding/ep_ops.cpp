@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common.h"
+#include "gemm/fp8_gemm.cuh"
 #include "gemm/grouped_gemm.cuh"
 #include "kernels/dispatch_layout.cuh"
 #include "runtime/ep_kernels.cuh"
@@ -36,6 +37,16 @@ void nvshmem_init_op(const Tensor& unique_id, int64_t rank, int64_t world) {
 }
 
 bool nvshmem_initialized_op() { return nvshmem_is_initialized(); }
+
+// Loads the kernels a Buffer's layer launches on the current device now, not at their first launch (CUDA's lazy
+// loading makes that launch wait for the kernels running then, which may spin on peers). Best effort: a kernel with
+// no image for this device is not one the layer launches here.
+void preload_kernels_op() {
+  (void)preload_ep_kernels();
+  (void)preload_grouped_gemm_kernels();
+  (void)preload_fp8_gemm_kernels();
+  (void)cudaGetLastError();
+}
 
 void nvshmem_finalize_op() {
   if (nvshmem_is_initialized()) nvshmem_shutdown();
@@ -234,6 +245,7 @@ STABLE_TORCH_LIBRARY_IMPL(primemoe, CompositeImplicitAutograd, m) {
   m.impl("_nvshmem_init", TORCH_BOX(&nvshmem_init_op));
   m.impl("_nvshmem_finalize", TORCH_BOX(&nvshmem_finalize_op));
   m.impl("_nvshmem_initialized", TORCH_BOX(&nvshmem_initialized_op));
+  m.impl("_preload_kernels", TORCH_BOX(&preload_kernels_op));
   m.impl("_nvshmem_peers_need_put", TORCH_BOX(&nvshmem_peers_need_put_op));
   m.impl("_ep_workspace_layout", TORCH_BOX(&ep_workspace_layout_op));
   m.impl("_ep_workspace_alloc", TORCH_BOX(&ep_workspace_alloc_op));

@@ -83,6 +83,7 @@ STABLE_TORCH_LIBRARY(primemoe, m) {
   m.def("_nvshmem_init(Tensor unique_id, int rank, int world) -> ()");
   m.def("_nvshmem_finalize() -> ()");
   m.def("_nvshmem_initialized() -> bool");
+  m.def("_preload_kernels() -> ()");
   m.def("_nvshmem_peers_need_put() -> bool");
   // One line per region, "name element byte_offset d0,d1,...", then "total bytes".
   m.def(

@@ -41,11 +41,18 @@ cudaError_t launch(const sm90::Fp8Params& params, int grid, cudaStream_t stream)
     if (err != cudaSuccess) return err;
     smem_set_on[device].store(true, std::memory_order_release);
   }
+  if (grid <= 0) return cudaSuccess;  // preload_fp8_gemm_kernels: loaded and configured, nothing launched
   kernel<<<grid, sm90::kFp8Threads, sm90::kFp8SmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
 
 }  // namespace
+
+cudaError_t preload_fp8_gemm_kernels() {
+  const sm90::Fp8Params params{};
+  cudaError_t err = launch<Fp8Schedule::kRows>(params, 0, nullptr);
+  return err == cudaSuccess ? launch<Fp8Schedule::kExperts>(params, 0, nullptr) : err;
+}
 
 bool fp8_gemm_supported(const Fp8GemmArgs& a, int device, const char** why) {
   auto no = [&](const char* reason) {

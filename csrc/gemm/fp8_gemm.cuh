@@ -53,4 +53,7 @@ bool fp8_gemm_supported(const Fp8GemmArgs& args, int device, const char** why);
 
 cudaError_t launch_fp8_gemm(const Fp8GemmArgs& args, cudaStream_t stream);
 
+// Loads both FP8 kernels on the current device now (preload_grouped_gemm_kernels says why).
+cudaError_t preload_fp8_gemm_kernels();
+
 }  // namespace primemoe

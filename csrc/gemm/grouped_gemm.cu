@@ -122,6 +122,17 @@ bool gemm_config_built(const GroupedGemmArgs& a, const GemmConfig& config) {
   return false;
 }
 
+cudaError_t preload_grouped_gemm_kernels() {
+  using namespace sm90;
+  const GemmParams params{};
+  cudaError_t err = cudaSuccess;
+#define PRIMEMOE_PRELOAD(S, E, BK, CLAIM, MERGE)                                                           \
+  if (err == cudaSuccess) err = launch<GemmSchedule::S, GemmEpilogue::E, BK, CLAIM, MERGE>(params, 0, false, nullptr);
+  PRIMEMOE_GEMM_VARIANT_LIST(PRIMEMOE_PRELOAD)
+#undef PRIMEMOE_PRELOAD
+  return err;
+}
+
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, const GemmConfig& config, cudaStream_t stream) {
   using namespace sm90;
   if (config.claim_tiles && a.tile_counter == nullptr) return cudaErrorInvalidValue;

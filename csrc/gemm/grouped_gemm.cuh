@@ -154,4 +154,8 @@ bool moe_gemms_supported(int device, int64_t hidden, int64_t intermediate, const
 // is built for the config (gemm_config_built).
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, const GemmConfig& config, cudaStream_t stream);
 
+// Loads every built kernel on the current device now (CUDA loads a kernel lazily at its first launch, and that load
+// waits for the kernels running then: a first launch beside a kernel that spins on peers could wait for it).
+cudaError_t preload_grouped_gemm_kernels();
+
 }  // namespace primemoe

@@ -475,6 +475,19 @@ __global__ void __launch_bounds__(kThreads) ep_wait_combine_kernel(EpCombineArgs
 
 }  // namespace
 
+cudaError_t preload_ep_kernels() {
+  cudaFuncAttributes attributes;
+  for (const void* kernel : {reinterpret_cast<const void*>(ep_notify_kernel),
+                             reinterpret_cast<const void*>(ep_dispatch_rows_kernel),
+                             reinterpret_cast<const void*>(ep_wait_arrivals_kernel),
+                             reinterpret_cast<const void*>(ep_combine_rows_kernel),
+                             reinterpret_cast<const void*>(ep_wait_combine_kernel)}) {
+    const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t launch_ep_dispatch(const EpDispatchArgs& args, cudaStream_t stream) {
   if (args.cfg.hidden % kVec || args.num_blocks < 1) return cudaErrorInvalidValue;
   const EpDispatchArgs& a = args;

@@ -95,6 +95,9 @@ struct EpCombineArgs {
 };
 
 cudaError_t launch_ep_dispatch(const EpDispatchArgs& args, cudaStream_t stream);
+// Loads the dispatch and combine kernels on the current device now (a lazily loaded kernel's first launch waits for
+// the kernels running then, some of which may spin on peers).
+cudaError_t preload_ep_kernels();
 // send: the rows kernel; wait: the kernel that waits until every source has pushed this rank's slots back. Apart
 // (send, then other work, then wait), the work between them does not wait for the slowest peer.
 cudaError_t launch_ep_combine(const EpCombineArgs& args, bool send, bool wait, cudaStream_t stream);

@@ -377,6 +377,8 @@ class Buffer:
                 layout, self.nbytes = ep_layout(config)
                 self.arrivals_per_epoch = ep_arrivals_per_epoch(config)
                 self.workspace = lib._ep_workspace_alloc(self.nbytes)
+                # Loaded now, not at their first launch: a lazily loaded kernel waits for the kernels running then.
+                lib._preload_kernels()
         except RuntimeError as error:
             if not _open_buffers:
                 lib._nvshmem_finalize()

@@ -93,6 +93,7 @@ cudaError_t launch(const GemmParams& params, int grid, bool programmatic, cudaSt
     if (err != cudaSuccess) return err;
     smem_set_on[device].store(true, std::memory_order_release);
   }
+  if (grid <= 0) return cudaSuccess;  // preload_grouped_gemm_kernels: loaded and configured, nothing launched
   if (programmatic) return launch_chained(kernel, dim3(grid), dim3(kThreads), kSmemBytes<S, E>, stream, params);
   kernel<<<grid, kThreads, kSmemBytes<S, E>, stream>>>(params);
   return cudaGetLastError();
