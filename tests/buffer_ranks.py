@@ -233,14 +233,28 @@ def moe_cases(rank, world, cases_path, out_dir):
 # ---------------------------------------------------------------- soak
 
 
-def _soak_iteration(buffer, gen, device, iteration):
-    """One dispatch + combine with fresh routing and token count; checks the echo exactly."""
+def _fresh_tokens(buffer, gen, device):
+    """A random token count (0 to max_tokens_per_rank), its rows and routing with 10% of the slots skipped."""
     K, E, H = buffer.top_k, buffer.num_experts, buffer.hidden
     tokens = int(torch.randint(0, buffer.max_tokens_per_rank + 1, (1,), generator=gen))
     x = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
     topk_idx, topk_weights = primemoe.route(torch.randn(tokens, E, generator=gen), K)
     topk_idx = topk_idx.masked_fill(torch.rand(tokens, K, generator=gen) < 0.1, -1).to(device)
-    topk_weights = topk_weights.to(device)
+    return x, topk_idx, topk_weights.to(device)
+
+
+def _expert_weights(local_experts, hidden, inter, gen, device):
+    """``(w1, w2)`` bf16 of this rank's experts, scaled so that activations stay O(1)."""
+    w1 = torch.randn(local_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(local_experts, hidden, inter, generator=gen) * inter ** -0.5
+    return w1.to(device, torch.bfloat16), w2.to(device, torch.bfloat16)
+
+
+def _soak_iteration(buffer, gen, device, iteration):
+    """One dispatch + combine with fresh routing and token count; checks the echo exactly."""
+    K = buffer.top_k
+    x, topk_idx, topk_weights = _fresh_tokens(buffer, gen, device)
+    tokens = x.shape[0]
 
     counts, offsets, slot_valid = buffer.dispatch(x, topk_idx, topk_weights)
     received = buffer.region("recv_rows").clone()
@@ -282,13 +296,8 @@ def soak(rank, world, sizes, iterations, out_dir):
 def _layer_step(buffer, w1, w2, gen, device, keep_fc1):
     """One forward + backward of ``moe(buffer=)`` on fresh tokens and routing (10% of the slots skipped):
     ``(y, dx, d_topk_weights, dw1, dw2)`` and the inputs that made them."""
-    K, E, H = buffer.top_k, buffer.num_experts, buffer.hidden
-    tokens = int(torch.randint(0, buffer.max_tokens_per_rank + 1, (1,), generator=gen))
-    x = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
-    topk_idx, topk_weights = primemoe.route(torch.randn(tokens, E, generator=gen), K)
-    topk_idx = topk_idx.masked_fill(torch.rand(tokens, K, generator=gen) < 0.1, -1).to(device)
-    topk_weights = topk_weights.to(device)
-    dy = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
+    x, topk_idx, topk_weights = _fresh_tokens(buffer, gen, device)
+    dy = torch.randn(x.shape, generator=gen).to(device, torch.bfloat16)
     return (x, topk_idx, topk_weights, dy), _layer_grads(buffer, w1, w2, x, topk_idx, topk_weights, dy, keep_fc1)
 
 
@@ -305,8 +314,7 @@ def layer_soak(rank, world, sizes, iterations, out_dir):
     with ep_rank(rank, world) as device, primemoe.Buffer(dist.group.WORLD, **sizes) as buffer:
         gen = torch.Generator().manual_seed(3000 + rank)
         E_local, H, I = buffer.local_experts, buffer.hidden, buffer.intermediate
-        w1 = (torch.randn(E_local, 2 * I, H, generator=gen) * H ** -0.5).to(device, torch.bfloat16).requires_grad_()
-        w2 = (torch.randn(E_local, H, I, generator=gen) * I ** -0.5).to(device, torch.bfloat16).requires_grad_()
+        w1, w2 = (w.requires_grad_() for w in _expert_weights(E_local, H, I, gen, device))
         not_finite = torch.zeros((), dtype=torch.int64, device=device)
         repeats_differing = torch.zeros((), dtype=torch.int64, device=device)
         steady_from = 20
@@ -334,8 +342,7 @@ def capacity_cases(rank, world, sizes, max_recv_rows, out_dir):
     with ep_rank(rank, world) as device:
         gen = torch.Generator().manual_seed(4000 + rank)
         E_local, H, I, K = sizes["num_experts"] // world, sizes["hidden"], sizes["intermediate"], sizes["top_k"]
-        w1 = (torch.randn(E_local, 2 * I, H, generator=gen) * H ** -0.5).to(device, torch.bfloat16)
-        w2 = (torch.randn(E_local, H, I, generator=gen) * I ** -0.5).to(device, torch.bfloat16)
+        w1, w2 = _expert_weights(E_local, H, I, gen, device)
 
         def problem(tokens, everything_to_expert0=False):
             x = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)

@@ -128,6 +128,18 @@ uint64_t wait_timeout_ns() {
   return static_cast<uint64_t>((seconds > 0 ? seconds : 60.0) * 1e9);
 }
 
+void check_main_grad(const Tensor& main_grad, int64_t experts, int64_t m, int64_t n, const Tensor& like) {
+  PRIMEMOE_CHECK(main_grad.scalar_type() == ScalarType::Float, "main_grad: expected float32, got ",
+                 main_grad.scalar_type());
+  PRIMEMOE_CHECK(main_grad.dim() == 3 && main_grad.size(0) == experts && main_grad.size(1) == m &&
+                     main_grad.size(2) == n,
+                 "main_grad: expected [", experts, ", ", m, ", ", n, "] (experts, the weight's rows and columns), got ",
+                 main_grad.sizes());
+  PRIMEMOE_CHECK(main_grad.is_contiguous(), "main_grad: expected a contiguous tensor");
+  check_same_device(main_grad, like, "main_grad");
+  check_aligned(main_grad, "main_grad");
+}
+
 // A view starting at an element offset that is not a multiple of 8 would fault (misaligned address) instead.
 void check_aligned(const Tensor& t, const char* name) {
   const auto misaligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16;

@@ -100,6 +100,8 @@ void check_rows(const Tensor& t, const char* name);
 // A contiguous int32 tensor of `dims` dimensions.
 void check_index(const Tensor& t, const char* name, int64_t dims);
 void check_same_device(const Tensor& a, const Tensor& b, const char* name);
+// A weight gradient's fp32 main gradient [experts, m, n]: contiguous, aligned, on `like`'s device.
+void check_main_grad(const Tensor& main_grad, int64_t experts, int64_t m, int64_t n, const Tensor& like);
 // kNone without a tensor, else its float32 / bfloat16 type (contiguous).
 ScaleType scale_type_of(const std::optional<Tensor>& s, const char* name);
 

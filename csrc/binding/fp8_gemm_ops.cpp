@@ -113,54 +113,10 @@ Tensor fp8_expert_gemm_cuda(const Tensor& a, const Tensor& a_scale, const Tensor
   return out;
 }
 
-Tensor fp8_expert_wgrad_cuda(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t, const Tensor& b_scale,
-                             const Tensor& offsets, const std::optional<Tensor>& expert_rows, bool out_fp32) {
-  check_fp8_wgrad_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows);
-  const DeviceGuard guard(a_t.get_device_index());
-  const int64_t E = offsets.numel() - 1;
-  auto out = empty_like_device(a_t, {E, a_t.size(0), b_t.size(0)}, out_fp32 ? ScalarType::Float : ScalarType::BFloat16);
-  if (a_t.size(1) == 0) return torch::stable::zero_(out);
-  Fp8GemmArgs g{};
-  g.schedule = Fp8Schedule::kExperts;
-  g.a = a_t.data_ptr();
-  g.a_scale = data_of<float>(a_scale);
-  g.b = b_t.data_ptr();
-  g.b_scale = data_of<float>(b_scale);
-  g.num_rows = a_t.size(1);
-  g.m = static_cast<int32_t>(a_t.size(0));
-  g.n = static_cast<int32_t>(b_t.size(0));
-  g.num_experts = static_cast<int32_t>(E);
-  g.expert_offsets = data_of<int32_t>(offsets);
-  g.expert_rows = expert_rows.has_value() ? data_of<int32_t>(*expert_rows) : nullptr;
-  g.out = out.data_ptr();
-  g.out_fp32 = out_fp32;
-  g.num_sms = gemm_sms(a_t.get_device_index());
-  run_fp8_gemm(g, a_t, "fp8_expert_wgrad");
-  return out;
-}
-
-// main_grad[e] += the fp32 weight gradient of expert e (gradient-accumulation fusion), from the GEMM's registers.
-void check_fp8_wgrad_accumulate_args(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t,
-                                     const Tensor& b_scale, const Tensor& offsets,
-                                     const std::optional<Tensor>& expert_rows, const Tensor& main_grad) {
-  check_fp8_wgrad_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows);
-  PRIMEMOE_CHECK(main_grad.scalar_type() == ScalarType::Float, "main_grad: expected float32, got ",
-                 main_grad.scalar_type());
-  PRIMEMOE_CHECK(main_grad.dim() == 3 && main_grad.size(0) == offsets.numel() - 1 && main_grad.size(1) == a_t.size(0) &&
-                     main_grad.size(2) == b_t.size(0),
-                 "main_grad: expected [", offsets.numel() - 1, ", ", a_t.size(0), ", ", b_t.size(0), "], got ",
-                 main_grad.sizes());
-  PRIMEMOE_CHECK(main_grad.is_contiguous(), "main_grad: expected a contiguous tensor");
-  check_same_device(main_grad, a_t, "main_grad");
-  check_aligned(main_grad, "main_grad");
-}
-
-void fp8_expert_wgrad_accumulate_cuda(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t,
-                                      const Tensor& b_scale, const Tensor& offsets,
-                                      const std::optional<Tensor>& expert_rows, Tensor& main_grad) {
-  check_fp8_wgrad_accumulate_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows, main_grad);
-  if (a_t.size(1) == 0) return;  // adds nothing
-  const DeviceGuard guard(a_t.get_device_index());
+// The weight-gradient launch's arguments: out[e] (fp32 or bf16) = a_t[:, rows of e] x b_t[:, rows of e]^T.
+Fp8GemmArgs fp8_wgrad_args(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t, const Tensor& b_scale,
+                           const Tensor& offsets, const std::optional<Tensor>& expert_rows, const Tensor& out,
+                           bool out_fp32) {
   Fp8GemmArgs g{};
   g.schedule = Fp8Schedule::kExperts;
   g.a = a_t.data_ptr();
@@ -173,10 +129,40 @@ void fp8_expert_wgrad_accumulate_cuda(const Tensor& a_t, const Tensor& a_scale, 
   g.num_experts = static_cast<int32_t>(offsets.numel() - 1);
   g.expert_offsets = data_of<int32_t>(offsets);
   g.expert_rows = expert_rows.has_value() ? data_of<int32_t>(*expert_rows) : nullptr;
-  g.out = main_grad.data_ptr();
-  g.out_fp32 = true;
-  g.accumulate = true;
+  g.out = out.data_ptr();
+  g.out_fp32 = out_fp32;
   g.num_sms = gemm_sms(a_t.get_device_index());
+  return g;
+}
+
+Tensor fp8_expert_wgrad_cuda(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t, const Tensor& b_scale,
+                             const Tensor& offsets, const std::optional<Tensor>& expert_rows, bool out_fp32) {
+  check_fp8_wgrad_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows);
+  const DeviceGuard guard(a_t.get_device_index());
+  const int64_t E = offsets.numel() - 1;
+  auto out = empty_like_device(a_t, {E, a_t.size(0), b_t.size(0)}, out_fp32 ? ScalarType::Float : ScalarType::BFloat16);
+  if (a_t.size(1) == 0) return torch::stable::zero_(out);
+  run_fp8_gemm(fp8_wgrad_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows, out, out_fp32), a_t,
+               "fp8_expert_wgrad");
+  return out;
+}
+
+// main_grad[e] += the fp32 weight gradient of expert e (gradient-accumulation fusion), from the GEMM's registers.
+void check_fp8_wgrad_accumulate_args(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t,
+                                     const Tensor& b_scale, const Tensor& offsets,
+                                     const std::optional<Tensor>& expert_rows, const Tensor& main_grad) {
+  check_fp8_wgrad_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows);
+  check_main_grad(main_grad, offsets.numel() - 1, a_t.size(0), b_t.size(0), a_t);
+}
+
+void fp8_expert_wgrad_accumulate_cuda(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t,
+                                      const Tensor& b_scale, const Tensor& offsets,
+                                      const std::optional<Tensor>& expert_rows, Tensor& main_grad) {
+  check_fp8_wgrad_accumulate_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows, main_grad);
+  if (a_t.size(1) == 0) return;  // adds nothing
+  const DeviceGuard guard(a_t.get_device_index());
+  Fp8GemmArgs g = fp8_wgrad_args(a_t, a_scale, b_t, b_scale, offsets, expert_rows, main_grad, true);
+  g.accumulate = true;
   run_fp8_gemm(g, a_t, "fp8_expert_wgrad_accumulate");
 }
 

@@ -320,15 +320,7 @@ Tensor expert_wgrad_cuda(const Tensor& a_rows, const Tensor& b_rows, const Tenso
 void check_wgrad_accumulate_args(const Tensor& a_rows, const Tensor& b_rows, const Tensor& offsets,
                                  const std::optional<Tensor>& expert_rows, const Tensor& main_grad) {
   check_wgrad_args(a_rows, b_rows, offsets, expert_rows);
-  PRIMEMOE_CHECK(main_grad.scalar_type() == ScalarType::Float, "main_grad: expected float32, got ",
-                 main_grad.scalar_type());
-  PRIMEMOE_CHECK(main_grad.dim() == 3 && main_grad.size(0) == offsets.numel() - 1 &&
-                     main_grad.size(1) == a_rows.size(1) && main_grad.size(2) == b_rows.size(1),
-                 "main_grad: expected [", offsets.numel() - 1, ", ", a_rows.size(1), ", ", b_rows.size(1),
-                 "] (experts, a_rows' columns, b_rows' columns), got ", main_grad.sizes());
-  PRIMEMOE_CHECK(main_grad.is_contiguous(), "main_grad: expected a contiguous tensor");
-  check_same_device(main_grad, a_rows, "main_grad");
-  check_aligned(main_grad, "main_grad");
+  check_main_grad(main_grad, offsets.numel() - 1, a_rows.size(1), b_rows.size(1), a_rows);
 }
 
 void expert_wgrad_accumulate_cuda(const Tensor& a_rows, const Tensor& b_rows, const Tensor& offsets,

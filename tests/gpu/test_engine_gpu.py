@@ -494,26 +494,24 @@ def _side_stream_beside(ready):
     return side
 
 
-def _release_late(rows, true_rows, ready, value, cycles, side=None):
-    """On a side stream: a device spin of `cycles`, then the rows written, then their counters released. Without
-    ``side``, a new stream that waits for everything queued so far (the GEMM just launched too); a stream that
-    was made to wait before the GEMM's launch runs beside it."""
+def _release_late(copies, ready, value, cycles, side=None):
+    """On a side stream: a device spin of `cycles`, then each ``(dst, src)`` of ``copies`` written, then the counters
+    released. Without ``side``, a new stream that waits for everything queued so far (the GEMM just launched too); a
+    stream that was made to wait before the GEMM's launch runs beside it."""
     if side is None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(cycles)
-        rows.copy_(true_rows)
+        for dst, src in copies:
+            dst.copy_(src)
         ready.fill_(value)
     return side
 
 
-def test_fc1_producer_really_waits_for_a_late_counter():
-    """The rows and their counters are released late on another stream (after a ~20 ms device spin), with SMs
-    left free for it: FC1 launched before them must wait, and its result is that of the released rows."""
-    e = engine_operands([300, 0, 1, 129] * 8, hidden=256, inter=256, seed=11, device="cuda")
-    plain = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
-    rows = torch.full_like(e.xs, float("nan"))  # what FC1 would read without waiting
+def _hooked_beside_a_late_release(launch, copies):
+    """``launch(ready, epoch)`` (a hooked GEMM waiting for 2 per expert) with its operands and counters released
+    ~20 ms later beside it, SMs left free for that: ``(result, ms the GEMM took)``."""
     ready = torch.zeros(32, dtype=torch.int64, device="cuda")
     epoch = torch.ones(1, dtype=torch.int64, device="cuda")
     torch.cuda.synchronize()
@@ -522,14 +520,24 @@ def test_fc1_producer_really_waits_for_a_late_counter():
         side = _side_stream_beside(ready)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        hooked = ops.fc1_swiglu(rows, e.w1, e.offsets, True, ready, epoch, 2, 0)
+        result = launch(ready, epoch)
         end.record()
-        _release_late(rows, e.xs, ready, 2, 40_000_000, side)
+        _release_late(copies, ready, 2, 40_000_000, side)
         torch.cuda.synchronize()
     finally:
         primemoe.set_num_sms(None)
-    del side
-    assert start.elapsed_time(end) > 5.0, "FC1 ended before the rows were released: it did not wait"
+    return result, start.elapsed_time(end)
+
+
+def test_fc1_producer_really_waits_for_a_late_counter():
+    """The rows and their counters are released late on another stream (after a ~20 ms device spin), with SMs
+    left free for it: FC1 launched before them must wait, and its result is that of the released rows."""
+    e = engine_operands([300, 0, 1, 129] * 8, hidden=256, inter=256, seed=11, device="cuda")
+    plain = ops.fc1_swiglu(e.xs, e.w1, e.offsets, True)
+    rows = torch.full_like(e.xs, float("nan"))  # what FC1 would read without waiting
+    hooked, ms = _hooked_beside_a_late_release(
+        lambda ready, epoch: ops.fc1_swiglu(rows, e.w1, e.offsets, True, ready, epoch, 2, 0), [(rows, e.xs)])
+    assert ms > 5.0, "FC1 ended before the rows were released: it did not wait"
     assert torch.equal(hooked[0], plain[0]) and torch.equal(hooked[1], plain[1])
     primemoe.check_errors()
 
@@ -541,21 +549,10 @@ def test_fc2_dgrad_really_waits_for_late_rows_and_weights():
     plain = ops.fc2_dgrad_swiglu(e.dy_rows, e.w2, e.h, e.row_weight, e.offsets)
     rows = torch.full_like(e.dy_rows, float("nan"))
     weights = torch.full_like(e.row_weight, float("nan"))  # stale weights: NaN in every output they reach
-    ready = torch.zeros(32, dtype=torch.int64, device="cuda")
-    epoch = torch.ones(1, dtype=torch.int64, device="cuda")
-    torch.cuda.synchronize()
-    try:
-        primemoe.set_num_sms(primemoe.get_num_sms() - 4)  # room for the releasing kernels
-        side = _side_stream_beside(ready)
-        hooked = ops.fc2_dgrad_swiglu(rows, e.w2, e.h, weights, e.offsets, True, ready, epoch, 2, 0)
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(40_000_000)
-            rows.copy_(e.dy_rows)
-            weights.copy_(e.row_weight)
-            ready.fill_(2)
-        torch.cuda.synchronize()
-    finally:
-        primemoe.set_num_sms(None)
+    hooked, ms = _hooked_beside_a_late_release(
+        lambda ready, epoch: ops.fc2_dgrad_swiglu(rows, e.w2, e.h, weights, e.offsets, True, ready, epoch, 2, 0),
+        [(rows, e.dy_rows), (weights, e.row_weight)])
+    assert ms > 5.0, "FC2's dgrad ended before the rows were released: it did not wait"
     routed = e.routed_rows
     for got, want in zip(hooked, plain):
         assert torch.equal(got[:routed], want[:routed])
@@ -572,7 +569,7 @@ def test_a_grid_on_every_sm_ends_in_the_timeout_not_a_hang(monkeypatch):
     rows = e.xs.clone()
     torch.cuda.synchronize()
     ops.fc1_swiglu(rows, e.w1, e.offsets, True, ready, epoch, 2, 3)
-    side = _release_late(rows, e.xs, ready, 2, 1000)
+    side = _release_late([(rows, e.xs)], ready, 2, 1000)
     with pytest.raises(primemoe.DeviceError, match=r"rank 3 timed out .*rows of local expert 0, before its expert GEMM"):
         primemoe.check_errors()
     side.synchronize()
